@@ -1,0 +1,57 @@
+"""The whole causal LM. Attribute names mirror the checkpoint (model.layers.N..., lm_head) so the
+state dict round-trips with Hugging Face files without a renaming table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantship.models.config import LLAMA, ModelConfig
+from quantship.models.deepseek import deepseek_layer
+from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm
+from quantship.models.llama import llama_layer
+
+
+def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
+    """One decoder layer, alone: what the quantizer streams through."""
+    return llama_layer(config, index) if config.architecture == LLAMA else deepseek_layer(config, index)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer] | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if layers is None:
+            layers = [build_layer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer] | None = None):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: ContiguousCache | None = None
+    ) -> torch.Tensor:
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + input_ids.shape[-1], device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, cache, i)
+        return self.model.norm(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: ContiguousCache | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T] → logits [B, T, vocab]."""
+        return self.lm_head(self.hidden_states(input_ids, positions, cache))
+
+    def new_cache(self) -> ContiguousCache:
+        return ContiguousCache(len(self.model.layers))

@@ -1,0 +1,145 @@
+"""Building blocks shared by the DeepSeek and Llama layers: norm, rotary embedding, MLP, cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantship.models.config import ModelConfig, RopeConfig, yarn_mscale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin magnitude for default, linear and YaRN rope."""
+    # Explicit CPU: layers are built on the meta device, and rope tables are not weights.
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    if rope.type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.type != "yarn":
+        return inv_freq, 1.0
+    factor = rope.factor
+    if rope.attention_factor is not None:
+        magnitude = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        magnitude = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        magnitude = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        original = rope.original_max_position_embeddings
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    # Fast-rotating dimensions keep their frequency (extrapolate), slow ones are interpolated.
+    keep = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
+    return inv_freq, magnitude
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the rope part of q and k. No weights: built from the config alone."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq, self.magnitude = rope_frequencies(config.rope, config.rope_dim)
+        # DeepSeek stores rope dims as interleaved pairs (x0, x1), (x2, x3)...; Llama as two halves.
+        self.interleaved = config.is_mla and config.rope_interleave
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float()[..., None] * self.inv_freq
+        return angles.cos() * self.magnitude, angles.sin() * self.magnitude
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, dim]; cos/sin: [T, dim/2], broadcast over leading dims."""
+        if self.interleaved:
+            a, b = x[..., 0::2], x[..., 1::2]
+        else:
+            a, b = x.chunk(2, dim=-1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        # Output is in halves layout either way: q and k get the same permutation, so q·k is unchanged.
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense MLP, each routed expert and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ContiguousCache:
+    """Per-layer growing cache for the simple generation loop (the engine has a paged one).
+
+    Each layer stores whatever its attention caches: the MLA latent (c_kv, k_rope) or Llama's (k, v),
+    as tensors [B, T, ...] concatenated along T.
+    """
+
+    def __init__(self, num_layers: int):
+        self.entries: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        first = self.entries[0]
+        return 0 if first is None else first[0].shape[1]
+
+    def update(self, layer: int, new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        old = self.entries[layer]
+        merged = new if old is None else tuple(torch.cat((o, n), dim=1) for o, n in zip(old, new))
+        self.entries[layer] = merged
+        return merged
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [B,H,Tq,D] over k,v [B,H,Tk,*] where keys sit at positions 0..Tk-1."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    if tq == tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = torch.arange(tk, device=q.device)[None, :] <= q_positions[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; names match the checkpoints (input_layernorm, self_attn, ...)."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, index)
+        return x + self.mlp(self.post_attention_layernorm(x))

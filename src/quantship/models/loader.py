@@ -1,0 +1,171 @@
+"""Read a Hugging Face checkpoint directory lazily, one decoder layer at a time.
+
+Tensors are read from safetensors shards on demand (memory-mapped), so walking all layers
+holds about one layer plus the embeddings. Pickle files (.bin/.pt) are refused, never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from quantship.errors import QuantshipError
+from quantship.models.causal_lm import CausalLM, build_layer
+from quantship.models.config import ModelConfig, load_config
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# transformers 5 may write routed experts fused as 3-D tensors; we split them into per-expert Linears.
+_FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class Checkpoint:
+    """A validated model directory: its config and a map from tensor name to shard."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise QuantshipError("model directory not found", self.path)
+        self.config: ModelConfig = load_config(self.path)
+        self._handles: dict[Path, object] = {}
+        self.files = self._index()
+        self.layer_tensors: dict[int, list[str]] = {}
+        for name in self.files:
+            m = _LAYER.match(name)
+            if m:
+                self.layer_tensors.setdefault(int(m.group(1)), []).append(name)
+
+    def _index(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                raise QuantshipError(f"malformed index ({exc})", index) from None
+            files = {name: self.path / shard for name, shard in weight_map.items()}
+            for shard in sorted(set(files.values())):
+                if not shard.is_file():
+                    raise QuantshipError(f"shard listed in {INDEX_FILE} is missing", shard)
+            return files
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            pickles = [p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+            if pickles:
+                raise QuantshipError(
+                    f"pickle checkpoint ({pickles[0]}) refused: pickles can run code; convert it to safetensors",
+                    self.path,
+                )
+            raise QuantshipError("no *.safetensors weights found", self.path)
+        files: dict[str, Path] = {}
+        for shard in shards:
+            for name in self._open(shard).keys():
+                files[name] = shard
+        return files
+
+    def _open(self, shard: Path):
+        if shard not in self._handles:
+            try:
+                self._handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise QuantshipError(f"unreadable safetensors file ({exc})", shard) from None
+        return self._handles[shard]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shard = self.files.get(name)
+        if shard is None:
+            raise QuantshipError(f"tensor {name} is missing from the checkpoint", self.path)
+        try:
+            t = self._open(shard).get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise QuantshipError(f"cannot read tensor {name} ({exc})", shard) from None
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise QuantshipError(f"tensor {name} holds NaN or Inf values", shard)
+        return t
+
+    def layer_state(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors of decoder layer `index`, named relative to the layer, experts split per expert."""
+        prefix = f"model.layers.{index}."
+        state: dict[str, torch.Tensor] = {}
+        for name in self.layer_tensors.get(index, []):
+            local = name[len(prefix):]
+            fused = _FUSED.match(local)
+            if not fused:
+                state[local] = self.tensor(name)
+                continue
+            t = self.tensor(name)
+            for e in range(t.shape[0]):
+                if fused.group(1) == "gate_up_proj":
+                    gate, up = t[e].chunk(2, dim=0)
+                    state[f"mlp.experts.{e}.gate_proj.weight"] = gate
+                    state[f"mlp.experts.{e}.up_proj.weight"] = up
+                else:
+                    state[f"mlp.experts.{e}.down_proj.weight"] = t[e]
+        return state
+
+    def _fill(self, module: nn.Module, state: dict[str, torch.Tensor], where: str, dtype, device) -> nn.Module:
+        expected = module.state_dict()
+        missing = [k for k in expected if k not in state]
+        if missing:
+            raise QuantshipError(f"{where}: missing tensor(s) {', '.join(missing[:3])}", self.path)
+        for key, ref in expected.items():
+            if tuple(state[key].shape) != tuple(ref.shape):
+                raise QuantshipError(
+                    f"{where}.{key} has shape {list(state[key].shape)}, the config implies {list(ref.shape)}",
+                    self.files.get(f"{where}.{key}", self.path),
+                )
+        module.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
+        return module.to(device=device, dtype=dtype)
+
+    def layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+        if not 0 <= index < self.config.num_hidden_layers:
+            raise IndexError(index)
+        with torch.device("meta"):
+            layer = build_layer(self.config, index)
+        return self._fill(layer, self.layer_state(index), f"model.layers.{index}", dtype, device)
+
+    def iter_layers(self, dtype: torch.dtype = torch.float32, device="cpu") -> Iterator[tuple[int, nn.Module]]:
+        for i in range(self.config.num_hidden_layers):
+            yield i, self.layer(i, dtype, device)
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """Embeddings, final norm and lm_head: everything outside the decoder layers."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config.tie_word_embeddings or "lm_head.weight" in self.files:
+            names.append("lm_head.weight")
+        return {n: self.tensor(n) for n in names}
+
+    def load_model(self, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+        layers = [layer for _, layer in self.iter_layers(dtype, device)]
+        with torch.device("meta"):
+            model = CausalLM(self.config, layers=[])
+        model.model.layers = nn.ModuleList(layers)
+        outer = self.outer_state()
+        if self.config.tie_word_embeddings and "lm_head.weight" not in outer:
+            outer["lm_head.weight"] = outer["model.embed_tokens.weight"]
+        for name, tensor in outer.items():
+            owner, attr = name.rsplit(".", 1)
+            target = model.get_submodule(owner)
+            current = getattr(target, attr)
+            if tuple(current.shape) != tuple(tensor.shape):
+                raise QuantshipError(
+                    f"{name} has shape {list(tensor.shape)}, the config implies {list(current.shape)}",
+                    self.files.get(name, self.path),
+                )
+            setattr(target, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+        if self.config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval().requires_grad_(False)
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in set(self.files.values()))
+
+
+def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+    return Checkpoint(path).load_model(dtype, device)
