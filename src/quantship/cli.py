@@ -1,0 +1,189 @@
+"""Command line: parse, call one library function, print. Errors in the input exit 2 in one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from quantship import __version__
+from quantship.errors import QuantshipError
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def cmd_info(args) -> int:
+    from quantship.models.bundled import resolve_model
+    from quantship.models.info import model_info
+
+    info = model_info(resolve_model(args.model))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    rows = [
+        ("path", info["path"]),
+        ("architecture", info["architecture"]),
+        ("parameters", f"{_human_count(info['parameters'])} total, {_human_count(info['active_parameters'])} active per token"),
+        ("layers", str(info["layers"])),
+        ("attention", info["attention"] + (f" (kv_lora_rank {info['mla']['kv_lora_rank']}, q_lora_rank {info['mla']['q_lora_rank']})" if "mla" in info else "")),
+    ]
+    if "moe" in info:
+        m = info["moe"]
+        rows.append(("experts", f"{m['routed_experts']} routed (top-{m['experts_per_token']}, {m['scoring']}, {m['topk_method']}) + {m['shared_experts']} shared; {m['dense_layers']} dense layer(s) first"))
+    rows += [
+        ("dtype", info["dtype"]),
+        ("context", f"{info['max_position_embeddings']} tokens (rope {info['rope']['type']}, factor {info['rope']['factor']:g})"),
+        ("size on disk", f"{_human_bytes(info['size_bytes'])} in {info['shards']} shard(s)"),
+        ("quantization", "none" if not info["quantization_config"] else json.dumps(info["quantization_config"])[:200]),
+    ]
+    if "eval_text" in info:
+        rows += [("eval_text", info["eval_text"]), ("calib_text", info["calib_text"])]
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/bold]", value)
+    Console().print(table)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from quantship.models.bundled import resolve_model
+    from quantship.models.generate import generate_tokens
+    from quantship.models.loader import Checkpoint
+    from quantship.models.tokenizer import eos_ids, load_tokenizer
+
+    if args.max_tokens < 1:
+        raise QuantshipError("--max-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise QuantshipError("--temperature must be >= 0 and --top-p in (0, 1]")
+    path = resolve_model(args.model)
+    ck = Checkpoint(path)
+    tokenizer = load_tokenizer(path)
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise QuantshipError("--chat needs a chat_template in tokenizer_config.json", path)
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(prompt_ids, dict):
+            prompt_ids = prompt_ids["input_ids"]
+    else:
+        prompt_ids = tokenizer(args.prompt)["input_ids"]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = ck.load_model(dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
+    tokens = generate_tokens(
+        model, list(prompt_ids), args.max_tokens, args.temperature, args.top_p, args.seed,
+        stop_ids=eos_ids(tokenizer, ck.config.eos_token_id),
+    )
+    out: list[int] = []
+    printed = ""
+    sys.stdout.write(args.prompt)
+    for token in tokens:
+        out.append(token)
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from rich.console import Console
+
+    console = Console()
+    console.rule("[bold]quantship info tiny")
+    cmd_info(argparse.Namespace(model="tiny", json=False))
+    for prompt in ("def fibonacci(n):", "ROMEO:"):
+        console.rule(f"[bold]quantship generate tiny --prompt {prompt!r} --max-tokens 48")
+        cmd_generate(argparse.Namespace(model="tiny", prompt=prompt, max_tokens=48, temperature=0.0,
+                                        top_p=1.0, seed=None, chat=False, device="cpu"))
+    return 0
+
+
+EXAMPLES = {
+    "info": """
+        quantship info                       # the bundled tiny DeepSeek-V3
+        quantship info /models/DeepSeek-V2-Lite --json
+    """,
+    "generate": """
+        quantship generate --prompt 'def fibonacci(n):' --max-tokens 64
+        quantship generate /models/deepseek-coder-6.7b --prompt 'import numpy' --temperature 0.7 --top-p 0.9 --seed 1
+        quantship generate tiny --chat --prompt 'Write a haiku about tensors'
+    """,
+    "demo": """
+        quantship demo                       # offline, CPU, a few seconds
+    """,
+}
+
+
+def _examples(name: str) -> str:
+    return "examples:" + textwrap.indent(textwrap.dedent(EXAMPLES[name]).rstrip(), "  ")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantship",
+        description="Quantize a DeepSeek-family model, verify it, serve it, benchmark it and ship it.",
+        epilog="MODEL is a local Hugging Face-layout directory, or 'tiny' (the default) for the bundled model.",
+    )
+    parser.add_argument("--version", action="version", version=f"quantship {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=_examples(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("info", "Describe a checkpoint: architecture, parameters, experts, size, quantization.", cmd_info)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    p = add("generate", "Generate text with quantship's model definition (simple loop, one request).", cmd_generate)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+
+    add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except QuantshipError as exc:
+        print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Our model definition against transformers, on the same weights, in float32."""
+
+import pytest
+import torch
+
+from quantship.models.loader import Checkpoint
+from reference_models import CONFIGS
+
+SEQ = 200  # beyond original_max_position_embeddings (64) of the YaRN configs
+
+
+def _ids(vocab=512, batch=2, seq=SEQ, seed=1):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(reference_dirs, name):
+    directory, reference = reference_dirs[name]
+    ours = Checkpoint(directory).load_model()
+    ids = _ids()
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = ours(ids)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    # The positions past the original context are where a wrong YaRN would show.
+    torch.testing.assert_close(got[:, 64:], expected[:, 64:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_rope_scaling_is_exercised(reference_dirs, name):
+    """Dropping the rope scaling must change the logits, or the parity test above proves nothing about it."""
+    from quantship.models.config import RopeConfig
+    import dataclasses
+
+    directory, reference = reference_dirs[name]
+    ck = Checkpoint(directory)
+    assert ck.config.rope.type in ("yarn", "linear")
+    ck.config = dataclasses.replace(ck.config, rope=RopeConfig(theta=ck.config.rope.theta))
+    plain = ck.load_model()
+    ids = _ids()
+    with torch.no_grad():
+        assert (plain(ids) - reference(ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group", "llama"])
+def test_layers_streamed_one_at_a_time_match_full_forward(reference_dirs, name):
+    directory, _ = reference_dirs[name]
+    ck = Checkpoint(directory)
+    full = ck.load_model()
+    ids = _ids(batch=1, seq=40)
+    positions = torch.arange(40)
+    with torch.no_grad():
+        x = full.model.embed_tokens(ids)
+        for index, layer in ck.iter_layers():
+            x = layer(x, positions)
+        streamed = full.lm_head(full.model.norm(x))
+        torch.testing.assert_close(streamed, full(ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_greedy", "llama"])
+def test_cached_decoding_matches_full_forward(reference_dirs, name):
+    directory, _ = reference_dirs[name]
+    model = Checkpoint(directory).load_model()
+    ids = _ids(batch=1, seq=30)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts = [model(ids[:, :17], cache=cache)]  # a chunk, then one token at a time
+        for t in range(17, 30):
+            parts.append(model(ids[:, t:t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
