@@ -26,6 +26,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    # In chunks: isfinite on a whole bf16 embedding upcasts it, tripling the peak memory of a load.
+    return all(bool(torch.isfinite(chunk).all()) for chunk in t.reshape(-1).split(1 << 22))
+
+
 class Checkpoint:
     """A validated model directory: its config and a map from tensor name to shard."""
 
@@ -34,7 +39,6 @@ class Checkpoint:
         if not self.path.is_dir():
             raise QuantshipError("model directory not found", self.path)
         self.config: ModelConfig = load_config(self.path)
-        self._handles: dict[Path, object] = {}
         self.files = self._index()
         self.layer_tensors: dict[int, list[str]] = {}
         for name in self.files:
@@ -70,36 +74,46 @@ class Checkpoint:
         return files
 
     def _open(self, shard: Path):
-        if shard not in self._handles:
-            try:
-                self._handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise QuantshipError(f"unreadable safetensors file ({exc})", shard) from None
-        return self._handles[shard]
+        try:
+            return safe_open(str(shard), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise QuantshipError(f"unreadable safetensors file ({exc})", shard) from None
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read tensors, opening each shard once and closing it after, so no mapping outlives the call
+        (a shard left mapped keeps every page it served resident)."""
+        by_shard: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self.files:
+                raise QuantshipError(f"tensor {name} is missing from the checkpoint", self.path)
+            by_shard.setdefault(self.files[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for shard, shard_names in by_shard.items():
+            handle = self._open(shard)
+            for name in shard_names:
+                try:
+                    t = handle.get_tensor(name)
+                except (SafetensorError, OSError, ValueError) as exc:
+                    raise QuantshipError(f"cannot read tensor {name} ({exc})", shard) from None
+                if t.is_floating_point() and not _all_finite(t):
+                    raise QuantshipError(f"tensor {name} holds NaN or Inf values", shard)
+                out[name] = t
+            del handle
+        return out
 
     def tensor(self, name: str) -> torch.Tensor:
-        shard = self.files.get(name)
-        if shard is None:
-            raise QuantshipError(f"tensor {name} is missing from the checkpoint", self.path)
-        try:
-            t = self._open(shard).get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise QuantshipError(f"cannot read tensor {name} ({exc})", shard) from None
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise QuantshipError(f"tensor {name} holds NaN or Inf values", shard)
-        return t
+        return self.read([name])[name]
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """The tensors of decoder layer `index`, named relative to the layer, experts split per expert."""
         prefix = f"model.layers.{index}."
         state: dict[str, torch.Tensor] = {}
-        for name in self.layer_tensors.get(index, []):
+        for name, t in self.read(self.layer_tensors.get(index, [])).items():
             local = name[len(prefix):]
             fused = _FUSED.match(local)
             if not fused:
-                state[local] = self.tensor(name)
+                state[local] = t
                 continue
-            t = self.tensor(name)
             for e in range(t.shape[0]):
                 if fused.group(1) == "gate_up_proj":
                     gate, up = t[e].chunk(2, dim=0)
@@ -139,7 +153,7 @@ class Checkpoint:
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings or "lm_head.weight" in self.files:
             names.append("lm_head.weight")
-        return {n: self.tensor(n) for n in names}
+        return self.read(names)
 
     def load_model(self, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
         layers = [layer for _, layer in self.iter_layers(dtype, device)]

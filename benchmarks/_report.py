@@ -1,0 +1,33 @@
+"""Benchmarks write their JSON under benchmarks/results/ and their table into a section of BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def update_section(name: str, markdown: str) -> None:
+    """Replace (or append) the block between <!-- name:start --> and <!-- name:end --> markers."""
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
+    block = f"<!-- {name}:start -->\n{markdown.rstrip()}\n<!-- {name}:end -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)}:start -->.*?<!-- {re.escape(name)}:end -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    BENCHMARKS_MD.write_text(text)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
