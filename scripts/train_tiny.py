@@ -118,7 +118,7 @@ def evaluate(model: CausalLM, ids: torch.Tensor, seq: int, device: str, batch: i
     return total / max(count, 1)
 
 
-def save_checkpoint(model: CausalLM, out: Path, tokenizer_dir: Path) -> None:
+def save_checkpoint(model: CausalLM, out: Path, tokenizer_dir: Path | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, t in model.state_dict().items():
@@ -147,7 +147,7 @@ def save_checkpoint(model: CausalLM, out: Path, tokenizer_dir: Path) -> None:
         json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}, indent=2) + "\n"
     )
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).exists():
+        if tokenizer_dir is not None and (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
 
 
@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="router bias update speed (aux-loss-free balance)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-tokenizer-copy", action="store_true", help="write weights and config only")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
@@ -238,7 +239,7 @@ def main() -> None:
     train_loss = sum(losses[-200:]) / len(losses[-200:])
     held_out = evaluate(model, eval_ids, args.seq_len, device)
     train_sample = evaluate(model, train_ids[: len(eval_ids)], args.seq_len, device)
-    save_checkpoint(model, args.out, args.tokenizer)
+    save_checkpoint(model, args.out, None if args.no_tokenizer_copy else args.tokenizer)
     counts = {i: loads[id(r)].tolist() for i, r in enumerate(routers)}
     report = {
         "parameters": params,
