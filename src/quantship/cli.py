@@ -80,11 +80,11 @@ def cmd_generate(args) -> int:
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise QuantshipError("--chat needs a chat_template in tokenizer_config.json", path)
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+        # The template writes BOS itself, so tokenize its text without adding specials again.
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
         )
-        if isinstance(prompt_ids, dict):
-            prompt_ids = prompt_ids["input_ids"]
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,64 @@
+"""The command line as a user meets it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from quantship.cli import EXAMPLES, build_parser, main
+from quantship.models.bundled import TINY_DIR
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "quantship.cli", *args], capture_output=True, text=True)
+
+
+def test_help_lists_every_command_and_each_has_examples():
+    out = run("--help").stdout
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in commands:
+        assert name in out
+        sub = run(name, "--help")
+        assert sub.returncode == 0 and "examples:" in sub.stdout
+    assert set(commands) == set(EXAMPLES)
+
+
+def test_info_json_for_tiny(capsys):
+    assert main(["info", "tiny", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == str(TINY_DIR.resolve())
+    assert info["architecture"] == "DeepseekV3ForCausalLM"
+    assert info["moe"]["routed_experts"] == 8 and info["mla"]["kv_lora_rank"] == 128
+    assert info["eval_text"].endswith("eval.txt") and info["calib_text"].endswith("calib.txt")
+    assert info["quantization_config"] is None and info["size_bytes"] > 30e6
+
+
+def test_generate_greedy_is_deterministic_and_sampling_seeded(capsys):
+    args = ["generate", "--prompt", "def main():", "--max-tokens", "12"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first and len(first) > len("def main():") + 5
+    main(args + ["--temperature", "1.0", "--seed", "7"])
+    a = capsys.readouterr().out
+    main(args + ["--temperature", "1.0", "--seed", "7"])
+    assert capsys.readouterr().out == a
+
+
+@pytest.mark.parametrize("bad", [["--max-tokens", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]])
+def test_generate_rejects_bad_options(bad, capsys):
+    assert main(["generate", "--prompt", "x", *bad]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_hub_ids_are_not_fetched(capsys):
+    assert main(["info", "deepseek-ai/DeepSeek-V3"]) == 2
+    assert "never downloads" in capsys.readouterr().err
+
+
+def test_demo_runs_offline():
+    proc = subprocess.run([sys.executable, "-m", "quantship.cli", "demo"], capture_output=True, text=True,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "DeepseekV3ForCausalLM" in proc.stdout and "def fibonacci(n):" in proc.stdout
