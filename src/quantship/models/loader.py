@@ -18,6 +18,7 @@ from torch import nn
 from quantship.errors import QuantshipError
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, load_config
+from quantship.models.quantized import CompressedTensorsReader
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -39,6 +40,8 @@ class Checkpoint:
         if not self.path.is_dir():
             raise QuantshipError("model directory not found", self.path)
         self.config: ModelConfig = load_config(self.path)
+        qconfig = self.config.raw.get("quantization_config")
+        self.quantized = CompressedTensorsReader(qconfig, self.path / "config.json") if qconfig else None
         self.files = self._index()
         self.layer_tensors: dict[int, list[str]] = {}
         for name in self.files:
@@ -142,7 +145,10 @@ class Checkpoint:
             raise IndexError(index)
         with torch.device("meta"):
             layer = build_layer(self.config, index)
-        return self._fill(layer, self.layer_state(index), f"model.layers.{index}", dtype, device)
+        state = self.layer_state(index)
+        if self.quantized is not None:
+            self.quantized.swap_into(layer, f"model.layers.{index}", state)
+        return self._fill(layer, state, f"model.layers.{index}", dtype, device)
 
     def iter_layers(self, dtype: torch.dtype = torch.float32, device="cpu") -> Iterator[tuple[int, nn.Module]]:
         for i in range(self.config.num_hidden_layers):
@@ -150,6 +156,8 @@ class Checkpoint:
 
     def outer_state(self) -> dict[str, torch.Tensor]:
         """Embeddings, final norm and lm_head: everything outside the decoder layers."""
+        if "lm_head.weight_scale" in self.files:
+            raise QuantshipError("a quantized lm_head is not supported; keep lm_head in the ignore list", self.path)
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings or "lm_head.weight" in self.files:
             names.append("lm_head.weight")

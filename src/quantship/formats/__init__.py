@@ -1,0 +1,1 @@
+"""Checkpoint formats that external readers load: compressed-tensors (vLLM)."""

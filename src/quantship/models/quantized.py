@@ -1,0 +1,147 @@
+"""Quantized Linear layers as the model definition runs them, and reading them from
+compressed-tensors checkpoints (pack-quantized, int-quantized, float-quantized).
+
+Weights stay quantized in memory (int8 holding intN, or float8) with their scales; the forward
+dequantizes inside the layer (plain torch ops, CPU and CUDA). W8A8/FP8 schemes also quantize
+activations per token on the fly, as vLLM does, so measured fidelity matches what is served.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_MAX = 448.0
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+def expand_groups(t: torch.Tensor, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """Per-group parameter [out, groups] → per-column [out, in]."""
+    if t.shape[1] == 1:
+        return t.expand(-1, in_features)
+    if g_idx is not None:
+        return t[:, g_idx.long()]
+    return t.repeat_interleave(in_features // t.shape[1], dim=1)
+
+
+def dequantize(values, scale, zero=None, g_idx=None) -> torch.Tensor:
+    in_features = values.shape[1]
+    q = values.float()
+    if zero is not None:
+        q = q - expand_groups(zero.float(), in_features, g_idx)
+    return q * expand_groups(scale.float(), in_features, g_idx)
+
+
+def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Dynamic per-token quantize-dequantize: int8 symmetric or float8 e4m3."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8)
+    if kind == "float":
+        scale = amax / FP8_MAX
+        return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    scale = amax / 127.0
+    return (torch.round(x.float() / scale).clamp(-128, 127) * scale).to(x.dtype)
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is stored quantized. Buffers are named as in the checkpoint."""
+
+    def __init__(self, values, scale, zero=None, g_idx=None, bias=None, activations: str | None = None):
+        super().__init__()
+        self.out_features, self.in_features = values.shape
+        self.register_buffer("weight_values", values)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero_point", zero)
+        self.register_buffer("weight_g_idx", g_idx)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.activations = activations  # None (weight-only), "int" or "float"
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight_values, self.weight_scale, self.weight_zero_point, self.weight_g_idx).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations:
+            x = quantize_activations(x, self.activations)
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must cast scales only: integer and float8 values keep their dtype.
+        values, g_idx = self.weight_values, self.weight_g_idx
+        zero = self.weight_zero_point
+        super()._apply(fn, recurse)
+        device = self.weight_scale.device
+        self.weight_values = values.to(device)
+        self.weight_g_idx = None if g_idx is None else g_idx.to(device)
+        self.weight_zero_point = None if zero is None else zero.to(device)
+        return self
+
+    def extra_repr(self) -> str:
+        kind = "fp8" if self.weight_values.dtype == torch.float8_e4m3fn else "int"
+        return f"in={self.in_features}, out={self.out_features}, {kind}, groups={self.weight_scale.shape[1]}"
+
+
+def _matches(name: str, target: str) -> bool:
+    if target == "Linear":  # a class-name target; only Linear modules are ever asked about
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return name == target or name.endswith("." + target)
+
+
+class CompressedTensorsReader:
+    """Finds the quantization args of a module and turns its stored tensors into a QuantLinear."""
+
+    def __init__(self, quantization_config: dict, source):
+        from quantship.errors import QuantshipError
+
+        self.config = quantization_config
+        fmt = quantization_config.get("format")
+        if quantization_config.get("quant_method") != "compressed-tensors":
+            raise QuantshipError(f"unsupported quant_method {quantization_config.get('quant_method')!r}", source)
+        if fmt not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "mixed-precision"):
+            raise QuantshipError(f"unsupported compressed-tensors format {fmt!r}", source)
+        self.groups = list((quantization_config.get("config_groups") or {}).values())
+        self.source = source
+
+    def scheme_for(self, module_name: str) -> dict | None:
+        for group in self.groups:
+            if any(_matches(module_name, t) for t in group.get("targets", [])) and group.get("weights"):
+                return group
+        return None
+
+    def build(self, module_name: str, state: dict[str, torch.Tensor]) -> QuantLinear:
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        from quantship.errors import QuantshipError
+
+        group = self.scheme_for(module_name)
+        if group is None:
+            raise QuantshipError(f"{module_name} holds quantized tensors but no config group targets it", self.source)
+        bits = int(group["weights"]["num_bits"])
+        scale = state.pop("weight_scale")
+        packed = "weight_packed" in state
+        if packed:
+            shape = [int(v) for v in state.pop("weight_shape").tolist()]
+            values = unpack_from_int32(state.pop("weight_packed"), bits, torch.Size(shape))
+        else:
+            values = state.pop("weight")
+        zero = state.pop("weight_zero_point", None)
+        if zero is not None and packed:  # pack-quantized zero points are packed along the output dim
+            zero = unpack_from_int32(zero, bits, torch.Size([values.shape[0], scale.shape[1]]), packed_dim=0)
+        g_idx = state.pop("weight_g_idx", None)
+        act = group.get("input_activations")
+        return QuantLinear(values, scale, None if zero is None else zero.to(torch.int8), g_idx,
+                           state.pop("bias", None), activations=act.get("type", "int") if act else None)
+
+    def swap_into(self, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
+        """Replace every Linear of `layer` whose tensors in `state` are quantized; consume those tensors."""
+        for name, module in list(layer.named_modules()):
+            if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in state:
+                continue
+            local = {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
+            owner, attr = (name.rsplit(".", 1) + [""])[:2] if "." in name else ("", name)
+            parent = layer.get_submodule(owner) if owner else layer
+            setattr(parent, attr, self.build(f"{prefix}.{name}", local))
+            state.update({f"{name}.{k}": v for k, v in parent.get_submodule(attr).state_dict().items()})

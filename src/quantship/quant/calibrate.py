@@ -1,0 +1,127 @@
+"""Calibration data and per-Linear input statistics.
+
+Data: N windows of L tokens from a text or JSONL file (default: the bundled calibration text).
+Statistics: for every Linear of a layer, the token count and (for GPTQ) the Hessian XᵀX of its
+inputs. Routed experts get two sets: the tokens the router really sent them, and every
+calibration token (so an expert the router starved still has valid statistics to fall back on).
+The layer's output always keeps the real routing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantship.errors import QuantshipError
+from quantship.models.deepseek import MoE
+
+
+def read_calibration_text(path: Path) -> str:
+    if not path.is_file():
+        raise QuantshipError("calibration file not found", path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise QuantshipError("calibration file is not UTF-8 text", path) from None
+    if path.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise QuantshipError(f"line {number}: not JSON ({exc.msg})", path) from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise QuantshipError(f"line {number}: expected an object with a string 'text'", path)
+            texts.append(record["text"])
+        raw = "\n\n".join(texts)
+    if not raw.strip():
+        raise QuantshipError("calibration file is empty", path)
+    return raw
+
+
+def calibration_tokens(path: Path, tokenizer, samples: int, seq_len: int) -> tuple[torch.Tensor, dict]:
+    """[n, seq_len] token windows spread evenly over the text; n = samples, or fewer if the text is short."""
+    if samples < 1 or seq_len < 2:
+        raise QuantshipError("--samples must be >= 1 and --seq-len >= 2")
+    ids = tokenizer(read_calibration_text(path), add_special_tokens=False, verbose=False)["input_ids"]
+    if len(ids) < seq_len:
+        raise QuantshipError(f"calibration text has {len(ids)} tokens, fewer than one sample of {seq_len}", path)
+    available = len(ids) // seq_len
+    n = min(samples, available)
+    stride = len(ids) // n
+    windows = torch.tensor([ids[i * stride:i * stride + seq_len] for i in range(n)])
+    info = {"source": str(path), "samples": n, "samples_requested": samples, "seq_len": seq_len,
+            "tokens": n * seq_len, "text_tokens": len(ids)}
+    return windows, info
+
+
+@dataclass
+class InputStats:
+    tokens: int = 0
+    hessian: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor, want_hessian: bool) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.tokens += x.shape[0]
+        if want_hessian and x.shape[0]:
+            h = x.T @ x
+            self.hessian = h if self.hessian is None else self.hessian + h
+
+
+@dataclass
+class LayerStats:
+    routed: dict[str, InputStats] = field(default_factory=dict)  # every Linear, real routing
+    all_tokens: dict[str, InputStats] = field(default_factory=dict)  # routed experts, every token
+    expert_tokens: list[int] = field(default_factory=list)
+
+
+def linear_names(layer: nn.Module) -> list[str]:
+    return [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+
+
+@torch.no_grad()
+def collect_stats(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, want_hessian: bool,
+                  batch: int = 8) -> LayerStats:
+    stats = LayerStats()
+    names = linear_names(layer)
+    handles = []
+    for name in names:
+        stats.routed[name] = InputStats()
+        module = layer.get_submodule(name)
+        handles.append(module.register_forward_hook(
+            lambda _m, inp, _out, s=stats.routed[name]: s.add(inp[0], want_hessian)))
+    moe = layer.mlp if isinstance(layer.mlp, MoE) else None
+    try:
+        for start in range(0, hidden.shape[0], batch):
+            layer(hidden[start:start + batch], positions)
+    finally:
+        for h in handles:
+            h.remove()
+    if moe is not None:
+        stats.expert_tokens = [stats.routed[f"mlp.experts.{e}.gate_proj"].tokens for e in range(len(moe.experts))]
+        _all_token_stats(layer, moe, hidden, positions, want_hessian, batch, stats)
+    return stats
+
+
+def _all_token_stats(layer, moe: MoE, hidden, positions, want_hessian, batch, stats: LayerStats) -> None:
+    """Run every token through every expert for statistics only (outputs are discarded)."""
+    shared_input = InputStats()
+    downs = [InputStats() for _ in moe.experts]
+    for start in range(0, hidden.shape[0], batch):
+        x = hidden[start:start + batch]
+        x = x + layer.self_attn(layer.input_layernorm(x), positions)
+        x = layer.post_attention_layernorm(x).reshape(-1, x.shape[-1])
+        shared_input.add(x, want_hessian)
+        for e, expert in enumerate(moe.experts):
+            downs[e].add(F.silu(expert.gate_proj(x)) * expert.up_proj(x), want_hessian)
+    for e in range(len(moe.experts)):
+        for proj in ("gate_proj", "up_proj"):
+            stats.all_tokens[f"mlp.experts.{e}.{proj}"] = shared_input
+        stats.all_tokens[f"mlp.experts.{e}.down_proj"] = downs[e]

@@ -1,0 +1,285 @@
+"""Quantize a checkpoint one decoder layer at a time.
+
+For each layer, streamed from the shards: run the calibration activations through it, quantize
+its Linear layers (RTN, AWQ+RTN or GPTQ), run the *quantized* layer to make the next layer's
+inputs (so errors propagate as they will at inference), write the layer out, free it. Peak
+memory is about one layer plus the calibration activations, whatever the model's size.
+
+Output goes to a hidden temporary directory beside OUT and is renamed at the very end, so an
+interrupted run never leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantship import __version__
+from quantship.errors import QuantshipError
+from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
+from quantship.models.bundled import TINY_DIR, resolve_model
+from quantship.models.causal_lm import CausalLM
+from quantship.models.loader import Checkpoint
+from quantship.models.quantized import QuantLinear
+from quantship.models.tokenizer import load_tokenizer
+from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
+from quantship.quant.rtn import QuantizedTensor, rtn_quantize
+from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
+
+METHODS = ("rtn", "awq", "gptq")
+RECIPE_FILE = "quantship_recipe.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json", "chat_template.jinja")
+
+
+@dataclass
+class QuantizeOptions:
+    scheme: str = "W4A16"
+    method: str = "rtn"
+    calib: Path | None = None
+    samples: int = 128
+    seq_len: int = 512
+    device: str = "cpu"
+    ignore: list[str] = field(default_factory=list)
+    group_size: int | None = None
+    actorder: str | None = None
+    dampening: float = 0.01
+    min_expert_tokens: int = 16
+    overwrite: bool = False
+    # A plan (mixed precision) maps module names to schemes; None = one scheme for every target.
+    plan: dict[str, str] | None = None
+
+
+def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
+    if ck.quantized is not None:
+        raise QuantshipError("model is already quantized (config.json has a quantization_config)", ck.path)
+    if opts.method not in METHODS:
+        raise QuantshipError(f"unknown method {opts.method!r}; choose one of {', '.join(METHODS)}")
+    if opts.actorder not in (None, "static", "group"):
+        raise QuantshipError("--actorder must be static or group")
+    if opts.actorder and opts.method != "gptq":
+        raise QuantshipError("--actorder applies to --method gptq only")
+    if out.exists() and not opts.overwrite:
+        raise QuantshipError("output directory exists (pass --overwrite to replace it)", out)
+    if out.resolve() == ck.path.resolve():
+        raise QuantshipError("output directory is the input model", out)
+
+
+def plan_schemes(ck: Checkpoint, opts: QuantizeOptions) -> dict[str, Scheme]:
+    """Scheme of every quantized Linear (full module name); the rest stay in the original dtype."""
+    ignore = list(DEFAULT_IGNORE) + list(opts.ignore)
+    base = get_scheme(opts.scheme, opts.group_size)
+    if opts.actorder:
+        base = base.with_actorder(opts.actorder)
+    with torch.device("meta"):
+        model = CausalLM(ck.config)
+    chosen: dict[str, Scheme] = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in linear_names(layer):
+            full = f"model.layers.{i}.{name}"
+            if is_ignored(full, ignore):
+                continue
+            scheme = base
+            if opts.plan is not None:
+                if full not in opts.plan or opts.plan[full] in ("none", "bf16", "fp16", "original"):
+                    continue
+                scheme = get_scheme(opts.plan[full])
+                if opts.actorder:
+                    scheme = scheme.with_actorder(opts.actorder)
+            in_features = layer.get_submodule(name).in_features
+            w = scheme.weights
+            if w.strategy == "group" and in_features % w.group_size:
+                raise QuantshipError(
+                    f"{scheme.name} group size {w.group_size} does not divide {full}'s input dimension "
+                    f"{in_features}; choose --group-size from the divisors or add it to --ignore", ck.path)
+            chosen[full] = scheme
+    if not chosen:
+        raise QuantshipError("no Linear layer left to quantize (check --ignore)", ck.path)
+    return chosen
+
+
+def _config_groups(chosen: dict[str, Scheme]) -> list[tuple[Scheme, list[str]]]:
+    by_scheme: dict[Scheme, list[str]] = {}
+    for name, scheme in chosen.items():
+        by_scheme.setdefault(scheme, []).append(name)
+    if len(by_scheme) == 1:
+        return [(next(iter(by_scheme)), ["Linear"])]
+    return [(scheme, sorted(names)) for scheme, names in by_scheme.items()]
+
+
+def _quantize_weight(weight: torch.Tensor, scheme: Scheme, method: str, stats: LayerStats, name: str,
+                     opts: QuantizeOptions, fallbacks: list[str]) -> QuantizedTensor:
+    if method != "gptq":
+        return rtn_quantize(weight, scheme.weights)
+    from quantship.quant.gptq import gptq_quantize
+
+    routed = stats.routed[name]
+    chosen = routed
+    if name in stats.all_tokens and routed.tokens < opts.min_expert_tokens:
+        chosen = stats.all_tokens[name]  # a starved expert borrows the every-token statistics
+        fallbacks.append(name)
+    if chosen.hessian is None:
+        fallbacks.append(name)
+        return rtn_quantize(weight, scheme.weights)
+    return gptq_quantize(weight, chosen.hessian, scheme.weights, dampening=opts.dampening)
+
+
+def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype: torch.dtype) -> None:
+    owner, attr = name.rsplit(".", 1)
+    old = layer.get_submodule(name)
+    acts = scheme.input_activations.type if scheme.input_activations else None
+    new = QuantLinear(q.values, q.scale.to(dtype), q.zero_point, q.g_idx,
+                      None if old.bias is None else old.bias.data, activations=acts)
+    setattr(layer.get_submodule(owner), attr, new)
+
+
+def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([layer(hidden[s:s + batch], positions) for s in range(0, hidden.shape[0], batch)])
+
+
+def _tensor_dtype(name: str, out_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith("e_score_correction_bias") else out_dtype
+
+
+def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, progress: bool = True) -> dict:
+    """Quantize MODEL into OUT; returns the recipe (also written to OUT/quantship_recipe.json)."""
+    started = time.time()
+    path = resolve_model(model)
+    ck = Checkpoint(path)
+    out = Path(out)
+    _validate(ck, out, opts)
+    chosen = plan_schemes(ck, opts)
+    calib_path = Path(opts.calib) if opts.calib else TINY_DIR / "calib.txt"
+    tokenizer = load_tokenizer(path)
+    tokens, calib_info = calibration_tokens(calib_path, tokenizer, opts.samples, opts.seq_len)
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QuantshipError("--device cuda asked for, but no CUDA device is available")
+    out_dtype = getattr(torch, ck.config.torch_dtype, torch.bfloat16)
+    compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        writer = ShardWriter(tmp)
+        outer = ck.outer_state()
+        for name, tensor in outer.items():
+            writer.add(name, tensor)
+        embed = outer["model.embed_tokens.weight"].to(device, compute_dtype)
+        hidden = torch.nn.functional.embedding(tokens.to(device), embed)
+        del embed
+        positions = torch.arange(tokens.shape[1], device=device)
+        expert_tokens: dict[str, list[int]] = {}
+        fallbacks: list[str] = []
+        awq_report: dict[str, dict] = {}
+        for index, layer in _progress(ck, progress, compute_dtype, device):
+            prefix = f"model.layers.{index}."
+            if opts.method == "awq":
+                from quantship.quant.awq import awq_layer
+
+                first = next(s for n, s in chosen.items() if n.startswith(prefix)) if any(
+                    n.startswith(prefix) for n in chosen) else None
+                if first is not None:
+                    report = awq_layer(layer, hidden, positions, first.weights,
+                                       min_expert_tokens=opts.min_expert_tokens)
+                    fallbacks += [f"{prefix}mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
+                    awq_report.update({prefix + k: v for k, v in report.items()})
+            stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq")
+            if stats.expert_tokens:
+                expert_tokens[str(index)] = stats.expert_tokens
+            for name in linear_names(layer):
+                full = prefix + name
+                if full not in chosen:
+                    continue
+                weight = layer.get_submodule(name).weight.data
+                q = _quantize_weight(weight, chosen[full], opts.method, stats, name, opts, fallbacks)
+                _assert_finite(q, full)
+                _swap(layer, name, q, chosen[full], out_dtype)
+                for key, tensor in pack_tensors(q, chosen[full], out_dtype).items():
+                    writer.add(f"{full}.{key}", tensor)
+            del stats
+            for key, tensor in layer.state_dict().items():
+                module = key.rsplit(".", 1)[0]
+                if prefix + module in chosen:
+                    continue
+                writer.add(prefix + key, tensor.to(_tensor_dtype(key, out_dtype)))
+            hidden = _run(layer, hidden, positions)
+            del layer
+        shards = writer.finish()
+        config = dict(ck.config.raw)
+        config["quantization_config"] = quantization_config(_config_groups(chosen),
+                                                            list(DEFAULT_IGNORE) + list(opts.ignore))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in TOKENIZER_FILES:
+            if (path / name).is_file():
+                shutil.copy(path / name, tmp / name)
+        recipe = {
+            "quantship_version": __version__,
+            "source_model": str(path.resolve()),
+            "scheme": opts.scheme if opts.plan is None else "plan",
+            "schemes_used": sorted({s.name for s in chosen.values()}),
+            "method": opts.method,
+            "group_size": next(iter(chosen.values())).weights.group_size,
+            "actorder": opts.actorder,
+            "ignore": list(DEFAULT_IGNORE) + list(opts.ignore),
+            "quantized_linears": len(chosen),
+            "calibration": calib_info,
+            "tokens_per_expert": expert_tokens,
+            "min_expert_tokens": opts.min_expert_tokens,
+            "fallbacks": sorted(set(fallbacks)),
+            "device": str(device),
+            "shards": shards,
+            "seconds": round(time.time() - started, 2),
+        }
+        if awq_report:
+            recipe["awq"] = awq_report
+        if opts.plan is not None:
+            recipe["plan"] = {n: s.name for n, s in chosen.items()}
+        (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return recipe
+
+
+def _assert_finite(q: QuantizedTensor, name: str) -> None:
+    if not torch.isfinite(q.scale).all():
+        raise RuntimeError(f"non-finite scale computed for {name}")  # a bug, not bad input
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Swap the finished directory into place; an existing OUT (with --overwrite) goes only after."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _progress(ck: Checkpoint, enabled: bool, dtype, device):
+    layers = ck.config.num_hidden_layers
+    if not enabled:
+        yield from ck.iter_layers(dtype, device)
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (TextColumn("[bold]quantize"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("layers", total=layers)
+        for item in ck.iter_layers(dtype, device):
+            yield item
+            bar.advance(task)

@@ -1,0 +1,112 @@
+"""Quantization schemes as plain data, named like llm-compressor's presets.
+
+A scheme says how weights (and, for W8A8/FP8, activations) are quantized and which
+compressed-tensors format stores them. Targets are every Linear of the decoder layers; the
+default ignore list keeps lm_head and the MoE routers in the original dtype (embeddings and
+norms are not Linear layers and are never quantized).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from quantship.errors import QuantshipError
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    num_bits: int = 4
+    type: str = "int"  # "int" or "float" (FP8 e4m3)
+    symmetric: bool = True
+    strategy: str = "group"  # "group" or "channel"
+    group_size: int | None = 128
+    actorder: str | None = None  # None, "static" or "group" (GPTQ only)
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    def groups(self, in_features: int) -> int:
+        return in_features // self.group_size if self.strategy == "group" else 1
+
+    def group_width(self, in_features: int) -> int:
+        return self.group_size if self.strategy == "group" else in_features
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    num_bits: int = 8
+    type: str = "int"
+    symmetric: bool = True
+    strategy: str = "token"
+    dynamic: bool = True
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    weights: WeightQuant
+    input_activations: ActivationQuant | None = None
+    format: str = "pack-quantized"
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Average stored bits per weight, scales and zero points included (bf16 scales)."""
+        w = self.weights
+        if w.strategy != "group":
+            return float(w.num_bits)
+        extra = 16 + (0 if w.symmetric else w.num_bits)
+        return w.num_bits + extra / w.group_size
+
+    def with_group_size(self, group_size: int) -> "Scheme":
+        if self.weights.strategy != "group":
+            raise QuantshipError(f"--group-size applies to grouped schemes (W4A16*), not {self.name}")
+        return dataclasses.replace(self, weights=dataclasses.replace(self.weights, group_size=group_size))
+
+    def with_actorder(self, actorder: str | None) -> "Scheme":
+        return dataclasses.replace(self, weights=dataclasses.replace(self.weights, actorder=actorder))
+
+
+PRESETS: dict[str, Scheme] = {
+    "W4A16": Scheme("W4A16", WeightQuant(4, "int", True, "group", 128)),
+    "W4A16_ASYM": Scheme("W4A16_ASYM", WeightQuant(4, "int", False, "group", 128)),
+    "W8A16": Scheme("W8A16", WeightQuant(8, "int", True, "channel", None)),
+    "W8A8": Scheme("W8A8", WeightQuant(8, "int", True, "channel", None), ActivationQuant(), "int-quantized"),
+    "FP8_DYNAMIC": Scheme("FP8_DYNAMIC", WeightQuant(8, "float", True, "channel", None),
+                          ActivationQuant(type="float"), "float-quantized"),
+}
+# Lower-bit variants exist to show what a bad setting does (verify must catch them), not to ship.
+PRESETS["W3A16"] = Scheme("W3A16", WeightQuant(3, "int", True, "group", 128))
+PRESETS["W2A16"] = Scheme("W2A16", WeightQuant(2, "int", True, "group", 128))
+
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_IGNORE = ("lm_head", "re:.*mlp\\.gate$")
+
+
+def get_scheme(name: str, group_size: int | None = None) -> Scheme:
+    key = name.upper().replace("-", "_")
+    if key not in PRESETS:
+        raise QuantshipError(f"unknown scheme {name!r}; choose one of {', '.join(PRESETS)}")
+    scheme = PRESETS[key]
+    if group_size is not None:
+        if group_size not in GROUP_SIZES:
+            raise QuantshipError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
+        scheme = scheme.with_group_size(group_size)
+    return scheme
+
+
+def matches(name: str, pattern: str) -> bool:
+    """compressed-tensors' target syntax: an exact module name, or `re:` + a regex (searched)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def is_ignored(name: str, ignore: tuple[str, ...] | list[str]) -> bool:
+    return any(matches(name, p) for p in ignore)

@@ -1,0 +1,1 @@
+"""Fidelity of a quantized model against its base: metrics, reports, gates."""
