@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 from quantship import __version__
 from quantship.errors import QuantshipError
@@ -107,6 +108,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    opts = QuantizeOptions(scheme=args.scheme, method=args.method, calib=args.calib, samples=args.samples,
+                           seq_len=args.seq_len, device=args.device, ignore=args.ignore or [],
+                           group_size=args.group_size, actorder=args.actorder, dampening=args.dampening,
+                           overwrite=args.overwrite)
+    recipe = quantize(args.model, args.output, opts, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(recipe, indent=2))
+        return 0
+    calib = recipe["calibration"]
+    print(f"wrote {args.output}: {', '.join(recipe['schemes_used'])} via {recipe['method']}, "
+          f"{recipe['quantized_linears']} Linear layers, {recipe['shards']} shard(s), {recipe['seconds']:.1f}s")
+    print(f"calibration: {calib['samples']} x {calib['seq_len']} tokens from {calib['source']}")
+    if calib["samples"] < calib["samples_requested"]:
+        print(f"note: the calibration text holds only {calib['samples']} samples of {calib['seq_len']} tokens")
+    if recipe["fallbacks"]:
+        print(f"fallbacks (too few routed tokens; every-token statistics used): {len(recipe['fallbacks'])}, "
+              "listed in quantship_recipe.json")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from rich.console import Console
 
@@ -129,6 +153,12 @@ EXAMPLES = {
         quantship generate --prompt 'def fibonacci(n):' --max-tokens 64
         quantship generate /models/deepseek-coder-6.7b --prompt 'import numpy' --temperature 0.7 --top-p 0.9 --seed 1
         quantship generate tiny --chat --prompt 'Write a haiku about tensors'
+    """,
+    "quantize": """
+        quantship quantize tiny -o tiny-w4a16 --scheme W4A16 --method gptq
+        quantship quantize /models/DeepSeek-V2-Lite -o v2lite-awq --method awq --device cuda --samples 128 --seq-len 2048
+        quantship quantize tiny -o tiny-w8a8 --scheme W8A8 --ignore 're:.*kv_b_proj$'
+        quantship quantize tiny -o tiny-g64 --scheme W4A16_ASYM --group-size 64 --calib my.jsonl
     """,
     "demo": """
         quantship demo                       # offline, CPU, a few seconds
@@ -168,6 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+
+    p = add("quantize", "Quantize a model into a vLLM-loadable compressed-tensors checkpoint, one layer at a time.",
+            cmd_quantize)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="OUT", help="output directory")
+    p.add_argument("--scheme", default="W4A16",
+                   help="W4A16 (default), W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC (W3A16/W2A16 only to test gates)")
+    p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"])
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], help="for W4A16* (default 128)")
+    p.add_argument("--actorder", choices=["static", "group"],
+                   help="GPTQ activation order: static (group is refused: current readers dropped g_idx)")
+    p.add_argument("--calib", type=Path, help="calibration .txt or .jsonl ({\"text\": ...} per line); "
+                                              "default: the bundled calibration text")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--ignore", nargs="+", metavar="PATTERN",
+                   help="keep these modules unquantized: names or 're:' regexes (lm_head and routers always)")
+    p.add_argument("--dampening", type=float, default=0.01, help="GPTQ dampening fraction (default 0.01)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--json", action="store_true", help="print the recipe as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
     return parser

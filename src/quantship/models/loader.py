@@ -29,7 +29,9 @@ _FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 
 def _all_finite(t: torch.Tensor) -> bool:
     # In chunks: isfinite on a whole bf16 embedding upcasts it, tripling the peak memory of a load.
-    return all(bool(torch.isfinite(chunk).all()) for chunk in t.reshape(-1).split(1 << 22))
+    # float8 has no isfinite kernel; its chunks are upcast (they are small).
+    upcast = t.element_size() == 1
+    return all(bool(torch.isfinite(c.float() if upcast else c).all()) for c in t.reshape(-1).split(1 << 22))
 
 
 class Checkpoint:

@@ -66,13 +66,22 @@ def calibration_tokens(path: Path, tokenizer, samples: int, seq_len: int) -> tup
 class InputStats:
     tokens: int = 0
     hessian: torch.Tensor | None = None
+    keep: int = 0  # input rows to keep as a sample (AWQ's clipping search), spread over all calls
+    stride: int = 1
+    sample: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, x: torch.Tensor, want_hessian: bool) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
+        kept = sum(len(t) for t in self.sample)
+        if self.keep > kept:
+            self.sample.append(x[:: self.stride][: self.keep - kept])
         self.tokens += x.shape[0]
         if want_hessian and x.shape[0]:
             h = x.T @ x
             self.hessian = h if self.hessian is None else self.hessian + h
+
+    def rows(self) -> torch.Tensor | None:
+        return torch.cat(self.sample) if self.sample else None
 
 
 @dataclass
@@ -88,12 +97,13 @@ def linear_names(layer: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def collect_stats(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, want_hessian: bool,
-                  batch: int = 8) -> LayerStats:
+                  batch: int = 8, keep_rows: int = 0) -> LayerStats:
     stats = LayerStats()
     names = linear_names(layer)
     handles = []
     for name in names:
-        stats.routed[name] = InputStats()
+        stride = max(1, hidden.shape[0] * hidden.shape[1] // keep_rows) if keep_rows else 1
+        stats.routed[name] = InputStats(keep=keep_rows, stride=stride)
         module = layer.get_submodule(name)
         handles.append(module.register_forward_hook(
             lambda _m, inp, _out, s=stats.routed[name]: s.add(inp[0], want_hessian)))

@@ -34,6 +34,7 @@ from quantship.quant.rtn import QuantizedTensor, rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
 
 METHODS = ("rtn", "awq", "gptq")
+CLIP_ROWS = 512  # input rows per Linear that AWQ's clipping search looks at
 RECIPE_FILE = "quantship_recipe.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja")
@@ -62,8 +63,13 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
         raise QuantshipError("model is already quantized (config.json has a quantization_config)", ck.path)
     if opts.method not in METHODS:
         raise QuantshipError(f"unknown method {opts.method!r}; choose one of {', '.join(METHODS)}")
-    if opts.actorder not in (None, "static", "group"):
-        raise QuantshipError("--actorder must be static or group")
+    if opts.actorder == "group":
+        # GPTQ here supports it (weight_g_idx), but compressed-tensors 0.20 rejects actorder "group"
+        # in config.json, and with it every reader built on that library (transformers, vLLM).
+        raise QuantshipError("--actorder group (weight_g_idx) is no longer readable by compressed-tensors "
+                             ">= 0.20 and the tools built on it; use --actorder static")
+    if opts.actorder not in (None, "static"):
+        raise QuantshipError("--actorder must be static")
     if opts.actorder and opts.method != "gptq":
         raise QuantshipError("--actorder applies to --method gptq only")
     if out.exists() and not opts.overwrite:
@@ -131,6 +137,14 @@ def _quantize_weight(weight: torch.Tensor, scheme: Scheme, method: str, stats: L
     return gptq_quantize(weight, chosen.hessian, scheme.weights, dampening=opts.dampening)
 
 
+def _clip(weight: torch.Tensor, sample, scheme: Scheme, min_tokens: int) -> torch.Tensor:
+    from quantship.quant.clip import clip_weight
+
+    if sample.tokens < min_tokens:
+        return weight  # too few routed tokens to choose a clip on: keep the full range
+    return clip_weight(weight, sample.rows(), scheme.weights)[0]
+
+
 def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype: torch.dtype) -> None:
     owner, attr = name.rsplit(".", 1)
     old = layer.get_submodule(name)
@@ -194,7 +208,9 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
                                        min_expert_tokens=opts.min_expert_tokens)
                     fallbacks += [f"{prefix}mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
                     awq_report.update({prefix + k: v for k, v in report.items()})
-            stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq")
+            stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
+                                  keep_rows=CLIP_ROWS if opts.method == "awq" else 0)
+            layer_fallbacks: list[str] = []
             if stats.expert_tokens:
                 expert_tokens[str(index)] = stats.expert_tokens
             for name in linear_names(layer):
@@ -202,11 +218,14 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
                 if full not in chosen:
                     continue
                 weight = layer.get_submodule(name).weight.data
-                q = _quantize_weight(weight, chosen[full], opts.method, stats, name, opts, fallbacks)
+                if opts.method == "awq":
+                    weight = _clip(weight, stats.routed[name], chosen[full], opts.min_expert_tokens)
+                q = _quantize_weight(weight, chosen[full], opts.method, stats, name, opts, layer_fallbacks)
                 _assert_finite(q, full)
                 _swap(layer, name, q, chosen[full], out_dtype)
                 for key, tensor in pack_tensors(q, chosen[full], out_dtype).items():
                     writer.add(f"{full}.{key}", tensor)
+            fallbacks += [prefix + name for name in layer_fallbacks]
             del stats
             for key, tensor in layer.state_dict().items():
                 module = key.rsplit(".", 1)[0]
