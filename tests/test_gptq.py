@@ -141,3 +141,17 @@ def test_cuda():
     assert qt.values.is_cuda and qt.g_idx.is_cuda
     cpu = gptq_quantize(w.half(), x.T @ x, args)
     assert (qt.values.cpu() != cpu.values).float().mean() < 0.02
+
+
+def test_batched_equals_one_at_a_time(problem):
+    """A layer's experts go through one column loop; each must come out as if quantized alone."""
+    from quantship.quant.gptq import gptq_quantize_many
+
+    x, w, h = problem
+    weights = torch.stack([w, w.flip(0) * 0.5, torch.zeros_like(w)])
+    hessians = torch.stack([h, h * 3 + torch.eye(IN), h])
+    for args in (W4_SYM, W4_ASYM, WeightQuant(4, "int", True, "group", 128, "static")):
+        many = gptq_quantize_many(weights, hessians, args)
+        for k in range(3):
+            one = gptq_quantize(weights[k], hessians[k], args)
+            assert torch.equal(many[k].values, one.values) and torch.equal(many[k].scale, one.scale)

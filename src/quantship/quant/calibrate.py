@@ -101,19 +101,34 @@ def collect_stats(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tenso
     stats = LayerStats()
     names = linear_names(layer)
     handles = []
+    # Linears that read the very same tensor (q/k/v, gate/up, q_a/kv_a) share one statistics object,
+    # so each Hessian is accumulated once.
+    # Keyed by object identity; holding the tensor until the batch ends keeps its id from being reused.
+    first_reader: dict[int, tuple[str, torch.Tensor]] = {}
+    alias: dict[str, str] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        owner = first_reader.setdefault(id(x), (name, x))[0]
+        if owner != name:
+            alias[name] = owner
+        else:
+            stats.routed[name].add(x, want_hessian)
+
     for name in names:
         stride = max(1, hidden.shape[0] * hidden.shape[1] // keep_rows) if keep_rows else 1
         stats.routed[name] = InputStats(keep=keep_rows, stride=stride)
         module = layer.get_submodule(name)
-        handles.append(module.register_forward_hook(
-            lambda _m, inp, _out, s=stats.routed[name]: s.add(inp[0], want_hessian)))
+        handles.append(module.register_forward_hook(lambda _m, inp, _out, n=name: record(n, inp[0])))
     moe = layer.mlp if isinstance(layer.mlp, MoE) else None
     try:
         for start in range(0, hidden.shape[0], batch):
+            first_reader.clear()
             layer(hidden[start:start + batch], positions)
     finally:
         for h in handles:
             h.remove()
+    for name, owner in alias.items():
+        stats.routed[name] = stats.routed[owner]
     if moe is not None:
         stats.expert_tokens = [stats.routed[f"mlp.experts.{e}.gate_proj"].tokens for e in range(len(moe.experts))]
         _all_token_stats(layer, moe, hidden, positions, want_hessian, batch, stats)

@@ -120,21 +120,40 @@ def _config_groups(chosen: dict[str, Scheme]) -> list[tuple[Scheme, list[str]]]:
     return [(scheme, sorted(names)) for scheme, names in by_scheme.items()]
 
 
-def _quantize_weight(weight: torch.Tensor, scheme: Scheme, method: str, stats: LayerStats, name: str,
-                     opts: QuantizeOptions, fallbacks: list[str]) -> QuantizedTensor:
-    if method != "gptq":
-        return rtn_quantize(weight, scheme.weights)
-    from quantship.quant.gptq import gptq_quantize
+HESSIAN_BATCH_BYTES = 2 * 2**30  # cap on the Hessians stacked into one batched GPTQ call
 
-    routed = stats.routed[name]
-    chosen = routed
-    if name in stats.all_tokens and routed.tokens < opts.min_expert_tokens:
-        chosen = stats.all_tokens[name]  # a starved expert borrows the every-token statistics
+
+def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
+                      stats: LayerStats, fallbacks: list[str]) -> dict[str, QuantizedTensor]:
+    if opts.method != "gptq":
+        return {n: rtn_quantize(w, schemes[n].weights) for n, w in weights.items()}
+    from quantship.quant.gptq import gptq_quantize_many
+
+    hessians = {}
+    for name in weights:
+        chosen = stats.routed[name]
+        if name in stats.all_tokens and chosen.tokens < opts.min_expert_tokens:
+            chosen = stats.all_tokens[name]  # a starved expert borrows the every-token statistics
+            fallbacks.append(name)
+        hessians[name] = chosen.hessian
+    out = {}
+    for name in [n for n, h in hessians.items() if h is None]:  # no token reached it at all
         fallbacks.append(name)
-    if chosen.hessian is None:
-        fallbacks.append(name)
-        return rtn_quantize(weight, scheme.weights)
-    return gptq_quantize(weight, chosen.hessian, scheme.weights, dampening=opts.dampening)
+        out[name] = rtn_quantize(weights[name], schemes[name].weights)
+    # Same-shaped weights with the same scheme (a layer's experts, q/k/v) share one column loop.
+    batches: dict[tuple, list[str]] = {}
+    for name, h in hessians.items():
+        if h is not None:
+            batches.setdefault((tuple(weights[name].shape), schemes[name]), []).append(name)
+    for (shape, scheme), names in batches.items():
+        step = max(1, HESSIAN_BATCH_BYTES // (shape[1] * shape[1] * 4))
+        for start in range(0, len(names), step):
+            chunk = names[start:start + step]
+            results = gptq_quantize_many(torch.stack([weights[n] for n in chunk]),
+                                         torch.stack([hessians[n] for n in chunk]), scheme.weights,
+                                         dampening=opts.dampening)
+            out.update(zip(chunk, results))
+    return out
 
 
 def _clip(weight: torch.Tensor, sample, scheme: Scheme, min_tokens: int) -> torch.Tensor:
@@ -213,18 +232,17 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
             layer_fallbacks: list[str] = []
             if stats.expert_tokens:
                 expert_tokens[str(index)] = stats.expert_tokens
-            for name in linear_names(layer):
-                full = prefix + name
-                if full not in chosen:
-                    continue
-                weight = layer.get_submodule(name).weight.data
-                if opts.method == "awq":
-                    weight = _clip(weight, stats.routed[name], chosen[full], opts.min_expert_tokens)
-                q = _quantize_weight(weight, chosen[full], opts.method, stats, name, opts, layer_fallbacks)
-                _assert_finite(q, full)
-                _swap(layer, name, q, chosen[full], out_dtype)
-                for key, tensor in pack_tensors(q, chosen[full], out_dtype).items():
-                    writer.add(f"{full}.{key}", tensor)
+            names = [n for n in linear_names(layer) if prefix + n in chosen]
+            schemes = {n: chosen[prefix + n] for n in names}
+            weights = {n: layer.get_submodule(n).weight.data for n in names}
+            if opts.method == "awq":
+                weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) for n, w in weights.items()}
+            quantized = _quantize_weights(weights, schemes, opts, stats, layer_fallbacks)
+            for name in names:
+                _assert_finite(quantized[name], prefix + name)
+                _swap(layer, name, quantized[name], schemes[name], out_dtype)
+                for key, tensor in pack_tensors(quantized[name], schemes[name], out_dtype).items():
+                    writer.add(f"{prefix}{name}.{key}", tensor)
             fallbacks += [prefix + name for name in layer_fallbacks]
             del stats
             for key, tensor in layer.state_dict().items():
