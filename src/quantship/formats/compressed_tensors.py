@@ -59,10 +59,10 @@ def pack_tensors(q: QuantizedTensor, scheme: Scheme, scale_dtype: torch.dtype) -
 
     out = {"weight_scale": q.scale.to(scale_dtype).contiguous()}
     if scheme.format == "pack-quantized":
-        out["weight_packed"] = pack_to_int32(q.values.cpu(), q.args.num_bits)
+        out["weight_packed"] = pack_to_int32(q.values, q.args.num_bits)  # on the values' device: fast on GPU
         out["weight_shape"] = torch.tensor(list(q.values.shape), dtype=torch.int64)
         if q.zero_point is not None:
-            out["weight_zero_point"] = pack_to_int32(q.zero_point.to(torch.int8).cpu(), q.args.num_bits, packed_dim=0)
+            out["weight_zero_point"] = pack_to_int32(q.zero_point.to(torch.int8), q.args.num_bits, packed_dim=0)
     else:
         out["weight"] = q.values.contiguous()
         if q.zero_point is not None:

@@ -16,8 +16,8 @@ def load_tokenizer(path: Path):
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise QuantshipError(f"cannot load the tokenizer ({exc})", path) from None
+    except Exception as exc:  # transformers raises many types here; the user needs one line, not a trace
+        raise QuantshipError(f"cannot load the tokenizer ({type(exc).__name__}: {exc})", path) from None
 
 
 def eos_ids(tokenizer, config_eos) -> set[int]:

@@ -144,7 +144,8 @@ def _search(linears: list[nn.Linear], x: torch.Tensor, run: Callable[[], torch.T
 
 @torch.no_grad()
 def awq_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, args: WeightQuant, *,
-              grid: int = 20, max_tokens: int = 4096, min_expert_tokens: int = 16) -> dict:
+              grid: int = 20, max_tokens: int = 4096, min_expert_tokens: int = 16,
+              quantized: set[str] | None = None) -> dict:
     """Search and fold AWQ scales into `layer` (in place) from its calibration input hidden [N, T, H].
 
     Returns {group name: {"ratio", "rtn_mse", "awq_mse"}, "expert_fallbacks": [expert indices whose
@@ -166,6 +167,7 @@ def awq_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, a
         positions = positions[:keep_t].to(device)
 
         groups = balance_groups(layer)
+        names = {m: n for n, m in layer.named_modules()}
         # One float forward records what each measured module is called with (experts: their routed tokens).
         inputs: dict[nn.Module, tuple] = {}
 
@@ -190,7 +192,12 @@ def awq_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, a
                 call = (F.silu(expert.gate_proj(moe_in)) * expert.up_proj(moe_in),)
                 report["expert_fallbacks"].append(g.expert)
             stats = call[0].reshape(-1, call[0].shape[-1])
-            s, report[g.name] = _search(g.linears, stats, partial(g.measured, *call), args, grid)
+            # Only the Linears that will be quantized are fake-quantized in the search (an ignored one
+            # keeps its precision); the fold still scales every reader, which keeps the layer exact.
+            targets = [lin for lin in g.linears if quantized is None or names[lin] in quantized]
+            if not targets:
+                continue
+            s, report[g.name] = _search(targets, stats, partial(g.measured, *call), args, grid)
             chosen.append((g, s))
         # Fold only after every search: each search then sees the original weights and captured inputs.
         for g, s in chosen:

@@ -198,6 +198,10 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
         raise QuantshipError("--device cuda asked for, but no CUDA device is available")
     out_dtype = getattr(torch, ck.config.torch_dtype, torch.bfloat16)
     compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    if device.type == "cuda":
+        # TF32 matmuls for the forward passes and Hessians: ~8x faster, error far below 4-bit rounding.
+        torch.backends.cuda.matmul.allow_tf32 = True
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -224,7 +228,8 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
                     n.startswith(prefix) for n in chosen) else None
                 if first is not None:
                     report = awq_layer(layer, hidden, positions, first.weights,
-                                       min_expert_tokens=opts.min_expert_tokens)
+                                       min_expert_tokens=opts.min_expert_tokens,
+                                       quantized={n[len(prefix):] for n in chosen if n.startswith(prefix)})
                     fallbacks += [f"{prefix}mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
                     awq_report.update({prefix + k: v for k, v in report.items()})
             stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
@@ -287,6 +292,8 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return recipe
 
 
