@@ -56,8 +56,9 @@ print(json.dumps({"baseline_kb": base, "peak_kb": peak}))
 """
 
 
-def write_checkpoint(directory: Path) -> dict:
-    config = config_from_dict(CONFIG)
+def write_checkpoint(directory: Path, layers: int | None = None) -> dict:
+    raw = dict(CONFIG, num_hidden_layers=layers or CONFIG["num_hidden_layers"])
+    config = config_from_dict(raw)
     with torch.device("meta"):
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in CausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(0)
@@ -74,7 +75,7 @@ def write_checkpoint(directory: Path) -> dict:
         sizes[key] = sum(t.numel() * 2 for t in shard.values())
         del shard
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (directory / "config.json").write_text(json.dumps(CONFIG))
+    (directory / "config.json").write_text(json.dumps(raw))
     return sizes
 
 

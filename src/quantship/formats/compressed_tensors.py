@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from quantship.quant.rtn import QuantizedTensor
 from quantship.quant.scheme import Scheme
 
-SHARD_BYTES = 512 * 2**20
+SHARD_BYTES = 2 * 2**30  # a shard never grows past this
+FLUSH_BYTES = 64 * 2**20  # at a layer boundary, pending tensors beyond this go to disk (bounds memory)
 
 
 def quantization_args(scheme: Scheme) -> dict:
@@ -78,8 +79,8 @@ class ShardWriter:
     Shards get their final `model-0000i-of-0000N` names only at the end, when N is known.
     """
 
-    def __init__(self, directory: Path, shard_bytes: int = SHARD_BYTES):
-        self.directory, self.shard_bytes = directory, shard_bytes
+    def __init__(self, directory: Path, shard_bytes: int = SHARD_BYTES, flush_bytes: int = FLUSH_BYTES):
+        self.directory, self.shard_bytes, self.flush_bytes = directory, shard_bytes, flush_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.shards: list[tuple[Path, list[str]]] = []
@@ -92,6 +93,11 @@ class ShardWriter:
         self.pending[name] = tensor.detach().cpu().contiguous()
         self.pending_bytes += nbytes
         self.total += nbytes
+
+    def end_of_layer(self) -> None:
+        """Called between layers: what is pending is written once it is worth a shard of its own."""
+        if self.pending_bytes >= self.flush_bytes:
+            self.flush()
 
     def flush(self) -> None:
         if not self.pending:

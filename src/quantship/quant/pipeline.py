@@ -214,7 +214,8 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
             writer.add(name, tensor)
         embed = outer["model.embed_tokens.weight"].to(device, compute_dtype)
         hidden = torch.nn.functional.embedding(tokens.to(device), embed)
-        del embed
+        del embed, outer
+        writer.end_of_layer()
         positions = torch.arange(tokens.shape[1], device=device)
         expert_tokens: dict[str, list[int]] = {}
         fallbacks: list[str] = []
@@ -255,8 +256,10 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
                 if prefix + module in chosen:
                     continue
                 writer.add(prefix + key, tensor.to(_tensor_dtype(key, out_dtype)))
+            writer.end_of_layer()
             hidden = _run(layer, hidden, positions)
             del layer
+            _release_freed_memory()
         shards = writer.finish()
         config = dict(ck.config.raw)
         config["quantization_config"] = quantization_config(_config_groups(chosen),
@@ -295,6 +298,17 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return recipe
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS between layers. glibc keeps it otherwise, and a
+    layer-by-layer pipeline's footprint then creeps up with each layer's differently sized tensors."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _assert_finite(q: QuantizedTensor, name: str) -> None:
