@@ -62,3 +62,4 @@ def test_demo_runs_offline():
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert "DeepseekV3ForCausalLM" in proc.stdout and "def fibonacci(n):" in proc.stdout
+    assert "tiny-w4a16-gptq" in proc.stdout and "top-1 agreement" in proc.stdout

@@ -27,6 +27,22 @@ def _human_count(n: int) -> str:
     return str(n)
 
 
+def _describe_quantization(qc: dict | None) -> str:
+    if not qc:
+        return "none"
+    parts = []
+    for group in (qc.get("config_groups") or {}).values():
+        w = group.get("weights") or {}
+        kind = f"{w.get('type', 'int')}{w.get('num_bits')}"
+        detail = f"group {w['group_size']}" if w.get("strategy") == "group" else w.get("strategy", "")
+        sym = "symmetric" if w.get("symmetric", True) else "asymmetric"
+        acts = group.get("input_activations")
+        act = f", activations {acts.get('type')}{acts.get('num_bits')} per {acts.get('strategy')}" if acts else ""
+        targets = ", ".join(group.get("targets", []))
+        parts.append(f"{kind} {detail} {sym}{act} on {targets if len(targets) < 40 else str(len(group['targets'])) + ' modules'}")
+    return f"{qc.get('quant_method')} {qc.get('format')}: " + "; ".join(parts) + f" (ignore: {', '.join(qc.get('ignore', []))})"
+
+
 def cmd_info(args) -> int:
     from quantship.models.bundled import resolve_model
     from quantship.models.info import model_info
@@ -53,7 +69,7 @@ def cmd_info(args) -> int:
         ("dtype", info["dtype"]),
         ("context", f"{info['max_position_embeddings']} tokens (rope {info['rope']['type']}, factor {info['rope']['factor']:g})"),
         ("size on disk", f"{_human_bytes(info['size_bytes'])} in {info['shards']} shard(s)"),
-        ("quantization", "none" if not info["quantization_config"] else json.dumps(info["quantization_config"])[:200]),
+        ("quantization", _describe_quantization(info["quantization_config"])),
     ]
     if "eval_text" in info:
         rows += [("eval_text", info["eval_text"]), ("calib_text", info["calib_text"])]
@@ -132,7 +148,13 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    import tempfile
+
     from rich.console import Console
+    from rich.table import Table
+
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+    from quantship.verify.compare import quick_fidelity
 
     console = Console()
     console.rule("[bold]quantship info tiny")
@@ -141,6 +163,20 @@ def cmd_demo(args) -> int:
         console.rule(f"[bold]quantship generate tiny --prompt {prompt!r} --max-tokens 48")
         cmd_generate(argparse.Namespace(model="tiny", prompt=prompt, max_tokens=48, temperature=0.0,
                                         top_p=1.0, seed=None, chat=False, device="cpu"))
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="quantship-demo-"))
+    table = Table(title="W4A16 g128 and W8A16 on the bundled model, held-out text (8K tokens)")
+    for column in ("checkpoint", "KL mean", "top-1 agreement", "ppl base", "ppl quant", "seconds"):
+        table.add_column(column, justify="right" if column != "checkpoint" else "left")
+    for scheme, method in (("W4A16", "rtn"), ("W4A16", "gptq"), ("W4A16", "awq"), ("W8A16", "rtn")):
+        out = work / f"tiny-{scheme.lower()}-{method}"
+        console.rule(f"[bold]quantship quantize tiny -o {out} --scheme {scheme} --method {method}")
+        recipe = quantize("tiny", out, QuantizeOptions(scheme=scheme, method=method, samples=64, seq_len=256,
+                                                       overwrite=True))
+        r = quick_fidelity("tiny", out, max_tokens=8192)
+        table.add_row(out.name, f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.1%}", f"{r['ppl_base']:.2f}",
+                      f"{r['ppl_quant']:.2f}", f"{recipe['seconds']:.0f}")
+    console.print(table)
+    console.print(f"checkpoints in {work}; llama.cpp's scale on Llama-3-8B: q8_0 KL 0.0014, q4_K_M 0.028, q4_0 0.072")
     return 0
 
 
@@ -221,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the recipe as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
+    p = add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
+    p.add_argument("--workdir", type=Path, help="where to write the demo's checkpoints (default: a temp dir)")
     return parser
 
 
