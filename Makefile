@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q 'torch>=2.4,<3'; else $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[test]'
+	# Debian's chromium renders verify's HTML report in the browser test.
+	command -v chromium >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -131,6 +131,10 @@ def cmd_quantize(args) -> int:
                            seq_len=args.seq_len, device=args.device, ignore=args.ignore or [],
                            group_size=args.group_size, actorder=args.actorder, dampening=args.dampening,
                            overwrite=args.overwrite)
+    if args.plan:
+        from quantship.quant.plan import read_plan
+
+        opts.plan = read_plan(args.plan)
     recipe = quantize(args.model, args.output, opts, progress=not args.quiet)
     if args.json:
         print(json.dumps(recipe, indent=2))
@@ -144,6 +148,73 @@ def cmd_quantize(args) -> int:
     if recipe["fallbacks"]:
         print(f"fallbacks (too few routed tokens; every-token statistics used): {len(recipe['fallbacks'])}, "
               "listed in quantship_recipe.json")
+    return 0
+
+
+def _progress_callback(console):
+    """A rich progress bar driven by verify's step(name, total) / step() calls."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=console, transient=True)
+    state = {}
+
+    def step(name=None, total=None):
+        if name is not None:
+            state["task"] = bar.add_task(name, total=total)
+        else:
+            bar.advance(state["task"])
+
+    return bar, step
+
+
+def cmd_verify(args) -> int:
+    from rich.console import Console
+
+    from quantship.verify.report import write_report
+    from quantship.verify.run import VerifyOptions, verify
+
+    console = Console(stderr=True)
+    opts = VerifyOptions(text=args.text, ctx=args.ctx, max_tokens=args.max_tokens, gates=args.gate,
+                         sensitivity=not args.no_sensitivity, generations=not args.no_generations, device=args.device)
+    bar, step = _progress_callback(console)
+    with bar:
+        report = verify(args.base, args.quant, opts, progress=step)
+    paths = write_report(report, args.report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        h, f = report["headline"], report["noise_floor"]
+        print(f"{report['tokens']} tokens, ctx {report['ctx']}: KL mean {h['kl_mean']:.4f} "
+              f"[{h['kl_mean_ci95'][0]:.4f}, {h['kl_mean_ci95'][1]:.4f}] (noise floor {f['kl_mean']:.4f}), "
+              f"p99 {h['kl_p99']:.3f}, top-1 {h['top1_agreement']:.1%}, ppl {h['ppl_base']:.3f} -> {h['ppl_quant']:.3f}, "
+              f"flips {h['flips_right_to_wrong']} right->wrong / {h['flips_wrong_to_right']} wrong->right")
+        print("report: " + ", ".join(str(p) for p in paths.values()))
+    gates = report.get("gates")
+    if gates:
+        failed = [r for r in gates["results"] if not r["passed"]]
+        for r in failed:
+            where = f" at {r['where']}" if r.get("where") else ""
+            print(f"FAIL {r['metric']} = {r['value']:.4g}{where}, needs {r['op']} {r['threshold']:g}", file=sys.stderr)
+        verdict = "PASS" if not failed else f"{len(failed)} of {len(gates['results'])} FAILED"
+        print(f"gates ({gates['file']}): {verdict}",
+              file=sys.stderr)
+        return 1 if failed else 0
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from quantship.verify.planning import make_plan, write_plan
+
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    plan = make_plan(args.model, args.budget_bits, schemes, method=args.method, calib=args.calib, device=args.device)
+    write_plan(plan, args.output)
+    counts: dict[str, int] = {}
+    for unit in plan["units"]:
+        counts[unit["scheme"]] = counts.get(unit["scheme"], 0) + 1
+    print(f"wrote {args.output}: {plan['predicted_avg_bits']:.3f} bits per weight (budget {args.budget_bits}), "
+          f"predicted KL {plan['predicted_kl']:.4f}; units: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(f"next: quantship quantize {args.model} -o OUT --plan {args.output}")
     return 0
 
 
@@ -195,6 +266,16 @@ EXAMPLES = {
         quantship quantize /models/DeepSeek-V2-Lite -o v2lite-awq --method awq --device cuda --samples 128 --seq-len 2048
         quantship quantize tiny -o tiny-w8a8 --scheme W8A8 --ignore 're:.*kv_b_proj$'
         quantship quantize tiny -o tiny-g64 --scheme W4A16_ASYM --group-size 64 --calib my.jsonl
+    """,
+    "verify": """
+        quantship verify tiny tiny-w4a16 --report reports/w4a16 --gate default
+        quantship verify /models/DeepSeek-V2-Lite v2lite-awq --report r/ --text heldout.txt --ctx 8192 --device cuda
+        quantship verify tiny tiny-w8a16 --report r/ --gate my-gates.yaml --no-sensitivity
+    """,
+    "plan": """
+        quantship plan tiny --budget-bits 5 -o plan.json
+        quantship quantize tiny -o tiny-mixed --plan plan.json
+        quantship plan /models/DeepSeek-V2-Lite --budget-bits 4.5 -o plan.json --method awq --device cuda
     """,
     "demo": """
         quantship demo                       # offline, CPU, a few seconds
@@ -253,9 +334,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore", nargs="+", metavar="PATTERN",
                    help="keep these modules unquantized: names or 're:' regexes (lm_head and routers always)")
     p.add_argument("--dampening", type=float, default=0.01, help="GPTQ dampening fraction (default 0.01)")
+    p.add_argument("--plan", type=Path, help="mixed-precision plan from 'quantship plan' (overrides --scheme per module)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--json", action="store_true", help="print the recipe as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = add("verify", "Compare a quantized model with its base: KL, top-k, flips, position curves, sensitivity, "
+                      "coverage, generations; gates exit 1.", cmd_verify)
+    p.add_argument("base", metavar="BASE", help="the original model ('tiny' for the bundled one)")
+    p.add_argument("quant", metavar="QUANT", help="the quantized model")
+    p.add_argument("--report", required=True, type=Path, metavar="DIR", help="writes report.json, .md and .html here")
+    p.add_argument("--text", type=Path, help="held-out text (default: the bundled evaluation text)")
+    p.add_argument("--ctx", type=int, help="tokens per window (default: the model's context, at most 4096)")
+    p.add_argument("--max-tokens", type=int, default=32768, help="evaluate at most this many tokens (default 32768)")
+    p.add_argument("--gate", metavar="GATES", help="YAML thresholds, or 'default' for the scheme's shipped gates")
+    p.add_argument("--no-sensitivity", action="store_true", help="skip per-layer sensitivity")
+    p.add_argument("--no-generations", action="store_true", help="skip side-by-side generations")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", action="store_true", help="print report.json to stdout")
+
+    p = add("plan", "Choose a scheme per module from measured sensitivity under an average-bits budget.", cmd_plan)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
+    p.add_argument("--budget-bits", type=float, required=True, help="average stored bits per Linear weight")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="PLAN", help="plan JSON to write")
+    p.add_argument("--schemes", default="W4A16,W8A16", help="candidates besides the original dtype (default W4A16,W8A16)")
+    p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"], help="how candidates are quantized")
+    p.add_argument("--calib", type=Path, help="text to calibrate and measure on (default: bundled calibration text)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 
     p = add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
     p.add_argument("--workdir", type=Path, help="where to write the demo's checkpoints (default: a temp dir)")

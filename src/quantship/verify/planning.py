@@ -1,0 +1,81 @@
+"""`quantship plan`: measure each unit's sensitivity under each candidate scheme, then choose.
+
+Sensitivity is measured on the calibration text, never on the held-out evaluation text, so a
+plan does not overfit what `verify` will judge it on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantship.models.bundled import TINY_DIR, resolve_model
+from quantship.models.loader import Checkpoint
+from quantship.models.tokenizer import load_tokenizer
+from quantship.quant.calibrate import read_calibration_text
+from quantship.quant.pipeline import QuantizeOptions, quantize
+from quantship.quant.plan import ORIGINAL, ORIGINAL_BITS, choose_plan
+from quantship.quant.scheme import DEFAULT_IGNORE, get_scheme, is_ignored
+from quantship.verify import sensitivity as S
+from quantship.verify.evaluate import chunk_rows
+
+
+def _unit_linears(model, layer: int, path: str) -> list[str]:
+    module = model.get_submodule(f"model.layers.{layer}.{path}")
+    prefix = f"model.layers.{layer}.{path}"
+    return [f"{prefix}.{n}" for n, m in module.named_modules() if isinstance(m, nn.Linear)
+            and not is_ignored(f"{prefix}.{n}", DEFAULT_IGNORE)]
+
+
+def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], method: str = "rtn",
+              calib: Path | None = None, samples: int = 32, seq_len: int = 256, rows: int = 4, ctx: int = 256,
+              device: str = "cpu", progress=None) -> dict:
+    path = resolve_model(model)
+    base_ck = Checkpoint(path)
+    calib_path = Path(calib) if calib else TINY_DIR / "calib.txt"
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer(read_calibration_text(calib_path), add_special_tokens=False, verbose=False)["input_ids"]
+    # Take the measurement rows from the end of the calibration text, away from the quantizer's first samples.
+    measure_rows = chunk_rows(ids[::-1][: rows * ctx][::-1], ctx, None)
+    base = base_ck.load_model(device=device)
+    units = S.units(base)
+    linears = {S.unit_name(layer, group): _unit_linears(base, layer, p) for layer, group, p in units}
+    params = {u: sum(base.get_submodule(n).weight.numel() for n in names) for u, names in linears.items()}
+    damage: dict[str, dict[str, float]] = {u: {} for u in linears}
+    work = Path(tempfile.mkdtemp(prefix=".quantship-plan-"))
+    try:
+        for scheme in schemes:
+            out = work / scheme
+            quantize(path, out, QuantizeOptions(scheme=scheme, method=method, calib=calib, samples=samples,
+                                                seq_len=seq_len, device=device), progress=False)
+            quant = Checkpoint(out).load_model(device=device)
+            for r in S.measure(base, quant, measure_rows, device, progress=progress):
+                damage[r["module"]][scheme] = r["kl_mean"]
+            del quant
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    bits = {s: get_scheme(s).bits_per_weight for s in schemes}
+    choice = choose_plan(damage, params, bits, budget_bits)
+    total = sum(params.values())
+    all_bits = {**bits, ORIGINAL: ORIGINAL_BITS}
+    return {
+        "model": str(path), "budget_bits": budget_bits, "schemes": schemes, "method": method,
+        "measured_on": str(calib_path),
+        "predicted_avg_bits": sum(params[u] * all_bits[s] for u, s in choice.items()) / total,
+        "predicted_kl": sum(damage[u].get(s, 0.0) for u, s in choice.items()),
+        "units": [{"unit": u, "params": params[u], "scheme": choice[u], "damage": damage[u]} for u in damage],
+        "modules": {name: choice[u] for u, names in linears.items() for name in names},
+    }
+
+
+def write_plan(plan: dict, out: Path) -> None:
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(plan, indent=2) + "\n")
+    os.replace(tmp, out)

@@ -1,0 +1,129 @@
+"""`quantship verify`: everything the report holds, measured in one pass over the inputs."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantship import __version__
+from quantship.errors import QuantshipError
+from quantship.models.bundled import bundled_texts, resolve_model
+from quantship.models.generate import generate_tokens
+from quantship.models.loader import Checkpoint
+from quantship.models.tokenizer import eos_ids, load_tokenizer
+from quantship.quant.calibrate import read_calibration_text
+from quantship.verify import evaluate as E
+from quantship.verify import sensitivity as S
+from quantship.verify.coverage import coverage
+from quantship.verify.gates import default_gates_file, evaluate_gates, parse_gates
+from quantship.verify.metrics import repetition_rate
+
+DEFAULT_PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    \"\"\"", "KING HENRY.\n", "The `json` module")
+RECIPE_FILE = "quantship_recipe.json"
+# Code shares boilerplate lines (licence headers, imports); only a real overlap is worth a warning.
+OVERLAP_WARNING = 0.05
+
+
+@dataclass
+class VerifyOptions:
+    text: Path | None = None
+    ctx: int | None = None
+    max_tokens: int = 32768
+    gates: str | None = None  # a YAML path, "default", or None
+    sensitivity: bool = True
+    sensitivity_rows: int = 2
+    sensitivity_ctx: int = 512
+    generations: bool = True
+    max_new_tokens: int = 48
+    noise_floor_dtype: str = "bfloat16"
+    device: str = "cpu"
+    bootstrap: int = 1000
+
+
+def _recipe(path: Path) -> dict:
+    file = path / RECIPE_FILE
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _generations(base, quant, tokenizer, stop, max_new: int) -> list[dict]:
+    out = []
+    for prompt in DEFAULT_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        b = list(generate_tokens(base, ids, max_new, stop_ids=stop))
+        q = list(generate_tokens(quant, ids, max_new, stop_ids=stop))
+        diverge = next((i for i, (x, y) in enumerate(zip(b, q)) if x != y), None)
+        if diverge is None and len(b) != len(q):
+            diverge = min(len(b), len(q))
+        out.append({"prompt": prompt, "base": tokenizer.decode(b, skip_special_tokens=True),
+                    "quant": tokenizer.decode(q, skip_special_tokens=True), "tokens_to_divergence": diverge,
+                    "repetition_base": repetition_rate(b), "repetition_quant": repetition_rate(q),
+                    "eos_base": bool(b and b[-1] in stop), "eos_quant": bool(q and q[-1] in stop)})
+    return out
+
+
+def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, progress=None) -> dict:
+    """Compare QUANT with BASE; returns the report dict (gates included when asked for)."""
+    base_path, quant_path = resolve_model(base), resolve_model(quant)
+    base_ck, quant_ck = Checkpoint(base_path), Checkpoint(quant_path)
+    if base_ck.config.vocab_size != quant_ck.config.vocab_size:
+        raise QuantshipError("BASE and QUANT have different vocabularies; compare a model with its own quantization",
+                             quant_path)
+    recipe = _recipe(quant_path)
+    text_path = opts.text or bundled_texts()["eval_text"]
+    eval_text = read_calibration_text(Path(text_path))
+    tokenizer = load_tokenizer(base_path)
+    ids = tokenizer(eval_text, add_special_tokens=False, verbose=False)["input_ids"]
+    ctx = opts.ctx or min(base_ck.config.max_position_embeddings, 4096)
+    if ctx > base_ck.config.max_position_embeddings:
+        raise QuantshipError(f"--ctx {ctx} exceeds the model's {base_ck.config.max_position_embeddings} positions")
+    try:
+        rows = E.chunk_rows(ids, ctx, opts.max_tokens)
+    except ValueError as exc:
+        raise QuantshipError(str(exc), text_path) from None
+
+    device = torch.device(opts.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    base_model = base_ck.load_model(dtype=dtype, device=device)
+    quant_model = quant_ck.load_model(dtype=dtype, device=device)
+    step = progress or (lambda *_: None)
+    step("compare", len(rows))
+    records = E.compare(base_model, quant_model, rows, device, progress=lambda: step())
+    floor_dtype = getattr(torch, opts.noise_floor_dtype)
+    step("noise floor", len(rows))
+    floor_model = base_ck.load_model(dtype=floor_dtype, device=device)
+    floor = E.headline(E.compare(base_model, floor_model, rows, device, progress=lambda: step()), opts.bootstrap)
+    del floor_model
+    report = {
+        "schema_version": 1, "quantship_version": __version__, "base": str(base_path), "quant": str(quant_path),
+        "text": str(text_path), "ctx": ctx, "tokens": int(records["kl"].numel()),
+        "quant_scheme": recipe.get("scheme"),
+        "headline": E.headline(records, opts.bootstrap),
+        "noise_floor": {**floor, "dtype": opts.noise_floor_dtype},
+        "kl_histogram": E.kl_histogram(records),
+        "by_position": E.by_position(records, ctx),
+    }
+    if opts.sensitivity:
+        srows = E.chunk_rows(ids, min(ctx, opts.sensitivity_ctx), None)[: opts.sensitivity_rows]
+        step("sensitivity", len(S.units(base_model)))
+        report["sensitivity"] = S.measure(base_model, quant_model, srows, device, progress=lambda: step())
+    calib_source = Path(recipe.get("calibration", {}).get("source") or bundled_texts()["calib_text"])
+    if calib_source.is_file():
+        calib_text = read_calibration_text(calib_source)
+        calib_ids = tokenizer(calib_text, add_special_tokens=False, verbose=False)["input_ids"]
+        report["coverage"] = coverage(base_model, calib_ids, ids, calib_text, eval_text, base_ck.config.vocab_size,
+                                      recipe.get("tokens_per_expert"), device=device)
+        report["coverage"]["calib_source"] = str(calib_source)
+        if report["coverage"]["text_overlap"] > OVERLAP_WARNING:
+            warnings.warn(f"{report['coverage']['text_overlap']:.1%} of the evaluation text's lines also appear in "
+                          f"the calibration text ({calib_source}): the comparison flatters the quantization")
+    if opts.generations:
+        report["generations"] = _generations(base_model, quant_model, tokenizer,
+                                             eos_ids(tokenizer, base_ck.config.eos_token_id), opts.max_new_tokens)
+    if opts.gates:
+        gates_path = default_gates_file(recipe.get("scheme")) if opts.gates == "default" else Path(opts.gates)
+        report["gates"] = evaluate_gates(report, parse_gates(gates_path), gates_path)
+    return report
