@@ -167,3 +167,19 @@ def test_plan_then_quantize_mixed(tmp_path, capsys):
     model = Checkpoint(out).load_model()
     with torch.no_grad():
         assert torch.isfinite(model(torch.arange(1, 50)[None])).all()
+
+
+def test_bad_inputs(checkpoints, tmp_path, capsys, reference_dirs):
+    llama_dir, _ = reference_dirs["llama"]
+    assert main(["verify", "tiny", str(llama_dir), "--report", str(tmp_path / "a")]) == 2
+    assert "architectures differ" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("def f():\n    return 1\n")
+    assert main(["verify", "tiny", str(checkpoints["W8A16"]), "--report", str(tmp_path / "b"), "--text", str(short),
+                 "--ctx", "512"]) == 2
+    assert "fewer than one window of 512" in capsys.readouterr().err
+    unknown = tmp_path / "g.yaml"
+    unknown.write_text("gates:\n  - perplexity <= 10\n")
+    assert main(["verify", "tiny", str(checkpoints["W8A16"]), "--report", str(tmp_path / "c"), "--gate", str(unknown),
+                 "--no-sensitivity", "--no-generations", *VERIFY_FAST]) == 2
+    assert "unknown metric 'perplexity'" in capsys.readouterr().err

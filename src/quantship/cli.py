@@ -248,6 +248,13 @@ def cmd_demo(args) -> int:
                       f"{r['ppl_quant']:.2f}", f"{recipe['seconds']:.0f}")
     console.print(table)
     console.print(f"checkpoints in {work}; llama.cpp's scale on Llama-3-8B: q8_0 KL 0.0014, q4_K_M 0.028, q4_0 0.072")
+    gptq = work / "tiny-w4a16-gptq"
+    report = work / "report-w4a16-gptq"
+    console.rule(f"[bold]quantship verify tiny {gptq} --report {report} --gate default")
+    code = cmd_verify(argparse.Namespace(base="tiny", quant=str(gptq), report=report, text=None, ctx=1024,
+                                         max_tokens=8192, gate="default", no_sensitivity=False,
+                                         no_generations=False, device="cpu", json=False))
+    console.print(f"open {report / 'report.html'} in a browser; gate verdict: {'PASS' if code == 0 else 'FAIL'}")
     return 0
 
 

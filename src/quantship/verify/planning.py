@@ -33,9 +33,10 @@ def _unit_linears(model, layer: int, path: str) -> list[str]:
             and not is_ignored(f"{prefix}.{n}", DEFAULT_IGNORE)]
 
 
-def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], method: str = "rtn",
-              calib: Path | None = None, samples: int = 32, seq_len: int = 256, rows: int = 4, ctx: int = 256,
-              device: str = "cpu", progress=None) -> dict:
+def measure_units(model: str | Path | None, schemes: list[str], method: str = "rtn", calib: Path | None = None,
+                  samples: int = 32, seq_len: int = 256, rows: int = 4, ctx: int = 256, device: str = "cpu",
+                  progress=None) -> dict:
+    """Damage of every unit under every candidate scheme, and the unit sizes: what a plan is chosen from."""
     path = resolve_model(model)
     base_ck = Checkpoint(path)
     calib_path = Path(calib) if calib else TINY_DIR / "calib.txt"
@@ -60,18 +61,28 @@ def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], 
             del quant
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return {"model": str(path), "schemes": schemes, "method": method, "measured_on": str(calib_path),
+            "damage": damage, "params": params, "linears": linears}
+
+
+def plan_from(measured: dict, budget_bits: float) -> dict:
+    damage, params, linears, schemes = (measured[k] for k in ("damage", "params", "linears", "schemes"))
     bits = {s: get_scheme(s).bits_per_weight for s in schemes}
     choice = choose_plan(damage, params, bits, budget_bits)
     total = sum(params.values())
     all_bits = {**bits, ORIGINAL: ORIGINAL_BITS}
     return {
-        "model": str(path), "budget_bits": budget_bits, "schemes": schemes, "method": method,
-        "measured_on": str(calib_path),
+        "model": measured["model"], "budget_bits": budget_bits, "schemes": schemes, "method": measured["method"],
+        "measured_on": measured["measured_on"],
         "predicted_avg_bits": sum(params[u] * all_bits[s] for u, s in choice.items()) / total,
         "predicted_kl": sum(damage[u].get(s, 0.0) for u, s in choice.items()),
         "units": [{"unit": u, "params": params[u], "scheme": choice[u], "damage": damage[u]} for u in damage],
         "modules": {name: choice[u] for u, names in linears.items() for name in names},
     }
+
+
+def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], **kwargs) -> dict:
+    return plan_from(measure_units(model, schemes, **kwargs), budget_bits)
 
 
 def write_plan(plan: dict, out: Path) -> None:

@@ -69,6 +69,9 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
     """Compare QUANT with BASE; returns the report dict (gates included when asked for)."""
     base_path, quant_path = resolve_model(base), resolve_model(quant)
     base_ck, quant_ck = Checkpoint(base_path), Checkpoint(quant_path)
+    if base_ck.config.architecture != quant_ck.config.architecture:
+        raise QuantshipError(f"architectures differ: BASE is {base_ck.config.architecture}, QUANT is "
+                             f"{quant_ck.config.architecture}", quant_path)
     if base_ck.config.vocab_size != quant_ck.config.vocab_size:
         raise QuantshipError("BASE and QUANT have different vocabularies; compare a model with its own quantization",
                              quant_path)
