@@ -82,7 +82,8 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}, groups={self.weight_scale.shape[1]}"
 
 
-def _matches(name: str, target: str) -> bool:
+def matches_target(name: str, target: str) -> bool:
+    """compressed-tensors' target syntax: `Linear` (the class), an exact module name, or `re:` + a regex."""
     if target == "Linear":  # a class-name target; only Linear modules are ever asked about
         return True
     if target.startswith("re:"):
@@ -107,7 +108,7 @@ class CompressedTensorsReader:
 
     def scheme_for(self, module_name: str) -> dict | None:
         for group in self.groups:
-            if any(_matches(module_name, t) for t in group.get("targets", [])) and group.get("weights"):
+            if any(matches_target(module_name, t) for t in group.get("targets", [])) and group.get("weights"):
                 return group
         return None
 

@@ -9,10 +9,10 @@ norms are not Linear layers and are never quantized).
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 from quantship.errors import QuantshipError
+from quantship.models.quantized import matches_target
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,5 @@ def get_scheme(name: str, group_size: int | None = None) -> Scheme:
     return scheme
 
 
-def matches(name: str, pattern: str) -> bool:
-    """compressed-tensors' target syntax: an exact module name, or `re:` + a regex (searched)."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern or name.endswith("." + pattern)
-
-
 def is_ignored(name: str, ignore: tuple[str, ...] | list[str]) -> bool:
-    return any(matches(name, p) for p in ignore)
+    return any(matches_target(name, p) for p in ignore)
