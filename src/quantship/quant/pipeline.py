@@ -178,6 +178,39 @@ def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch:
         return torch.cat([layer(hidden[s:s + batch], positions) for s in range(0, hidden.shape[0], batch)])
 
 
+def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positions: torch.Tensor,
+                    chosen: dict[str, Scheme], opts: QuantizeOptions, writer: ShardWriter,
+                    out_dtype: torch.dtype) -> dict:
+    """Calibrate, quantize and write one layer, leaving it quantized in place for the next layer's inputs."""
+    schemes = {n: chosen[prefix + n] for n in linear_names(layer) if prefix + n in chosen}
+    fallbacks: list[str] = []
+    awq_report: dict[str, dict] = {}
+    if opts.method == "awq" and schemes:
+        from quantship.quant.awq import awq_layer
+
+        # The search fake-quantizes with one scheme; under a plan, the first one of the layer stands in.
+        report = awq_layer(layer, hidden, positions, next(iter(schemes.values())).weights,
+                           min_expert_tokens=opts.min_expert_tokens, quantized=set(schemes))
+        fallbacks += [f"mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
+        awq_report = {prefix + k: v for k, v in report.items()}
+    stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
+                          keep_rows=CLIP_ROWS if opts.method == "awq" else 0)
+    weights = {n: layer.get_submodule(n).weight.data for n in schemes}
+    if opts.method == "awq":
+        weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) for n, w in weights.items()}
+    quantized = _quantize_weights(weights, schemes, opts, stats, fallbacks)
+    for name, q in quantized.items():
+        _assert_finite(q, prefix + name)
+        _swap(layer, name, q, schemes[name], out_dtype)
+        for key, tensor in pack_tensors(q, schemes[name], out_dtype).items():
+            writer.add(f"{prefix}{name}.{key}", tensor)
+    for key, tensor in layer.state_dict().items():
+        # Norms, routers, ignored Linears and biases stay in the original dtype.
+        if key.rsplit(".", 1)[0] not in schemes or key.endswith(".bias"):
+            writer.add(prefix + key, tensor.to(_tensor_dtype(key, out_dtype)))
+    return {"expert_tokens": stats.expert_tokens, "fallbacks": [prefix + f for f in fallbacks], "awq": awq_report}
+
+
 def _tensor_dtype(name: str, out_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith("e_score_correction_bias") else out_dtype
 
@@ -222,40 +255,11 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
         awq_report: dict[str, dict] = {}
         for index, layer in _progress(ck, progress, compute_dtype, device):
             prefix = f"model.layers.{index}."
-            if opts.method == "awq":
-                from quantship.quant.awq import awq_layer
-
-                first = next(s for n, s in chosen.items() if n.startswith(prefix)) if any(
-                    n.startswith(prefix) for n in chosen) else None
-                if first is not None:
-                    report = awq_layer(layer, hidden, positions, first.weights,
-                                       min_expert_tokens=opts.min_expert_tokens,
-                                       quantized={n[len(prefix):] for n in chosen if n.startswith(prefix)})
-                    fallbacks += [f"{prefix}mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
-                    awq_report.update({prefix + k: v for k, v in report.items()})
-            stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
-                                  keep_rows=CLIP_ROWS if opts.method == "awq" else 0)
-            layer_fallbacks: list[str] = []
-            if stats.expert_tokens:
-                expert_tokens[str(index)] = stats.expert_tokens
-            names = [n for n in linear_names(layer) if prefix + n in chosen]
-            schemes = {n: chosen[prefix + n] for n in names}
-            weights = {n: layer.get_submodule(n).weight.data for n in names}
-            if opts.method == "awq":
-                weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) for n, w in weights.items()}
-            quantized = _quantize_weights(weights, schemes, opts, stats, layer_fallbacks)
-            for name in names:
-                _assert_finite(quantized[name], prefix + name)
-                _swap(layer, name, quantized[name], schemes[name], out_dtype)
-                for key, tensor in pack_tensors(quantized[name], schemes[name], out_dtype).items():
-                    writer.add(f"{prefix}{name}.{key}", tensor)
-            fallbacks += [prefix + name for name in layer_fallbacks]
-            del stats
-            for key, tensor in layer.state_dict().items():
-                module = key.rsplit(".", 1)[0]
-                if prefix + module in chosen:
-                    continue
-                writer.add(prefix + key, tensor.to(_tensor_dtype(key, out_dtype)))
+            done = _quantize_layer(layer, prefix, hidden, positions, chosen, opts, writer, out_dtype)
+            if done["expert_tokens"]:
+                expert_tokens[str(index)] = done["expert_tokens"]
+            fallbacks += done["fallbacks"]
+            awq_report.update(done["awq"])
             writer.end_of_layer()
             hidden = _run(layer, hidden, positions)
             del layer
