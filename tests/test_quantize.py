@@ -16,7 +16,6 @@ from quantship.models.quantized import QuantLinear
 from quantship.quant import pipeline
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.verify.compare import quick_fidelity
-from reference_models import build_reference
 
 FAST = dict(samples=16, seq_len=256)
 
@@ -94,7 +93,6 @@ def test_eight_bit_schemes_are_near_lossless_on_heldout_text(quants):
 def llama_dir(tmp_path_factory):
     """A DeepSeek-Coder-shaped (Llama) model with the bundled tokenizer, dims multiple of 128."""
     d = tmp_path_factory.mktemp("llama")
-    model = build_reference("llama")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=256, intermediate_size=512,
