@@ -21,6 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _report import table, update_section, write_result  # noqa: E402
 
+import torch  # noqa: E402
+
+from quantship.models.causal_lm import CausalLM  # noqa: E402
 from quantship.models.bundled import TINY_DIR  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
@@ -52,14 +55,9 @@ def avg_bits(plan: dict[str, str], params: dict[str, int]) -> float:
 def main() -> None:
     measured = measure_units("tiny", ["W4A16", "W8A16"], **CALIB)
     ck = Checkpoint(TINY_DIR)
-    model_params = {}
-    with __import__("torch").device("meta"):
-        from quantship.models.causal_lm import CausalLM
-
+    with torch.device("meta"):
         meta = CausalLM(ck.config)
-    for names in measured["linears"].values():
-        for n in names:
-            model_params[n] = meta.get_submodule(n).weight.numel()
+    model_params = {n: meta.get_submodule(n).weight.numel() for names in measured["linears"].values() for n in names}
     candidates = {
         "uniform W4A16 g128": {n: "W4A16" for n in model_params},
         "Q4_K_M-like rule": heuristic_plan(measured["linears"], ck.config.num_hidden_layers),
