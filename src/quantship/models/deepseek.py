@@ -8,6 +8,7 @@ from torch import nn
 
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
+from quantship.models.paged import PagedBatch, dense_weight
 
 
 class MLAttention(nn.Module):
@@ -43,8 +44,11 @@ class MLAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
+        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
+        index: int = 0,
     ) -> torch.Tensor:
+        if isinstance(cache, PagedBatch):
+            return self.forward_paged(x, positions, cache, index)
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
         q = self.queries(x).view(b, t, self.heads, -1).transpose(1, 2)
@@ -61,6 +65,32 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_rope[:, None].expand(b, self.heads, s, self.rope_dim)), dim=-1)
         out = attend(q, k, v, positions, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
+        """The absorbed form over the cached latent: keys and values are never expanded per head.
+
+        q_nope·k_nope = q_nope·(W_UK c) = (q_nope W_UK)·c, so queries move into the latent space
+        (kv_lora_rank) and attend to c_kv directly; the output is lifted back per head with W_UV.
+        """
+        x = x[0]  # [N, hidden]: the engine packs all sequences into one row
+        n = x.shape[0]
+        cos, sin = self.rotary.cos_sin(positions)
+        q_nope, q_rope = self.queries(x).view(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        q_rope = self.rotary(q_rope.transpose(0, 1), cos, sin).transpose(0, 1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        batch.write(index, torch.cat((self.kv_a_layernorm(c_kv), self.rotary(k_rope, cos, sin)), dim=-1))
+
+        w = dense_weight(self.kv_b_proj, x.dtype).view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)
+        q = batch.pad(q).transpose(1, 2)  # [S, H, Q, rank + rope]
+        context = batch.context(index).to(x.dtype)[:, None]  # [S, 1, K, rank + rope]: one "head" shared by all
+        keys = context.expand(-1, self.heads, -1, -1)
+        values = context[..., : self.kv_lora_rank].expand(-1, self.heads, -1, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, scale=self.scale)
+        out = batch.unpad(out.transpose(1, 2))  # [N, H, rank]
+        out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
+        return self.o_proj(out)[None]
 
 
 class Router(nn.Module):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RotaryEmbedding, attend
+from quantship.models.paged import PagedBatch
 
 
 class GQAttention(nn.Module):
@@ -22,8 +24,11 @@ class GQAttention(nn.Module):
         self.scale = c.softmax_scale
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
+        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
+        index: int = 0,
     ) -> torch.Tensor:
+        if isinstance(cache, PagedBatch):
+            return self.forward_paged(x, positions, cache, index)
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
         q = self.rotary(self.q_proj(x).view(b, t, self.heads, -1).transpose(1, 2), cos, sin)
@@ -36,6 +41,25 @@ class GQAttention(nn.Module):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = attend(q, k, v, positions, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
+        x = x[0]  # [N, hidden]: the engine packs all sequences into one row
+        n = x.shape[0]
+        cos, sin = self.rotary.cos_sin(positions)
+
+        def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [N, count*D] → [count, N, D]
+            return t.view(n, count, self.head_dim).transpose(0, 1)
+
+        q = self.rotary(heads(self.q_proj(x), self.heads), cos, sin).transpose(0, 1)
+        k = self.rotary(heads(self.k_proj(x), self.kv_heads), cos, sin).transpose(0, 1)
+        batch.write(index, torch.cat((k.reshape(n, -1), self.v_proj(x)), dim=-1))
+        context = batch.context(index).to(x.dtype)  # [S, K, 2 * kv_heads * D]
+        s, length = context.shape[:2]
+        k, v = context.view(s, length, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        groups = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(batch.pad(q).transpose(1, 2), k, v, attn_mask=batch.mask, scale=self.scale)
+        return self.o_proj(batch.unpad(out.transpose(1, 2)).reshape(n, -1))[None]
 
 
 def llama_layer(config: ModelConfig, index: int) -> DecoderLayer:

@@ -1,0 +1,201 @@
+"""LLMEngine: add requests, step the batch, collect outputs. Not thread-safe: AsyncEngine serialises it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantship.engine.block_manager import BlockManager
+from quantship.engine.config import EngineConfig
+from quantship.engine.model_runner import ModelRunner, kv_bytes_per_token
+from quantship.engine.sampler import sample
+from quantship.engine.sampling import SamplingParams
+from quantship.engine.scheduler import QueueFull, Scheduler
+from quantship.engine.sequence import RequestMetrics, Sequence, Status
+from quantship.engine.text import TextTracker
+from quantship.models.causal_lm import CausalLM
+
+__all__ = ["EngineStats", "LLMEngine", "QueueFull", "RequestOutput", "load_engine"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # new text since the last output (stop strings cut)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop, length, abort, timeout, error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @classmethod
+    def failure(cls, request_id: str, message: str) -> RequestOutput:
+        return cls(request_id, finished=True, finish_reason="error", error=message)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None,
+                 eos_ids: set[int] | None = None):
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids = set(eos_ids or ())
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        dtype = model.model.embed_tokens.weight.dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(mc, dtype)
+        num_blocks = config.num_blocks or self._default_blocks(config, self.kv_bytes_per_token)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.sequences: dict[str, Sequence] = {}
+        self.texts: dict[str, TextTracker] = {}
+        self.prompt_tokens = self.generation_tokens = 0
+        self._pending: list[RequestOutput] = []  # outputs produced outside step (aborts, timeouts)
+
+    def _default_blocks(self, config: EngineConfig, per_token: int) -> int:
+        wanted = config.max_num_seqs * self.max_model_len
+        affordable = config.kv_cache_bytes // per_token
+        return max(1, -(-min(wanted, affordable) // config.block_size))
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    priority: int = 0, deadline: float | None = None) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, and at least one must be left to generate")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if len(prompt_ids) + 1 > capacity:
+            raise ValueError(f"the prompt needs more KV cache ({len(prompt_ids)} tokens) than the engine has "
+                             f"({capacity} tokens)")
+        seq = Sequence(request_id, prompt_ids, params, priority, deadline)
+        self.scheduler.add(seq)  # may raise QueueFull
+        self.sequences[request_id] = seq
+        if self.tokenizer is not None:
+            self.texts[request_id] = TextTracker(self.tokenizer, params.stop)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+            self._pending.append(self._output(seq, []))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences) or bool(self._pending)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.blocks.usage, prefix_cache_queries=self.blocks.queries,
+            prefix_cache_hits=self.blocks.hits, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            num_blocks=self.blocks.num_blocks, block_size=self.blocks.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        outputs += self._expire(time.monotonic())
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        finished_chunks, logits = self.runner.run(scheduled)
+        for seq, count in scheduled:
+            seq.num_computed += count
+            self.blocks.register_full_blocks(seq)
+        if logits is None:
+            return outputs
+        tokens, logprobs = sample(logits, [s.params for s in finished_chunks],
+                                  [s.generator for s in finished_chunks], [s.params.logprobs for s in finished_chunks])
+        now = time.monotonic()
+        for seq, token, logprob in zip(finished_chunks, tokens, logprobs):
+            outputs.append(self._append(seq, token, logprob, now))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        m = seq.metrics
+        if m.first_token is None:
+            m.first_token = now
+            self.prompt_tokens += len(seq.prompt_ids)
+        m.token_times.append(now)
+        m.generation_tokens += 1
+        self.generation_tokens += 1
+        params = seq.params
+        stop_token = token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
+        tracker = self.texts.get(seq.request_id)
+        hit_stop_string = tracker.add(seq.output_ids, stop_token) if tracker is not None else False
+        if stop_token or hit_stop_string:
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+        return self._output(seq, [token], [logprob] if logprob is not None else [])
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None = None) -> RequestOutput:
+        tracker = self.texts.get(seq.request_id)
+        finished = seq.status is Status.FINISHED
+        text = tracker.take(finished) if tracker is not None else ""
+        if finished:
+            self.texts.pop(seq.request_id, None)
+        return RequestOutput(
+            seq.request_id, tokens, text, logprobs or [], finished, seq.finish_reason,
+            len(seq.prompt_ids), len(seq.output_ids), seq.metrics if finished else None,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.metrics.finished, seq.metrics.finish_reason = time.monotonic(), reason
+        self.sequences.pop(seq.request_id, None)
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        late = [s for s in self.sequences.values() if s.deadline is not None and now > s.deadline]
+        for seq in late:
+            self._finish(seq, "timeout")
+        return [self._output(seq, []) for seq in late]
+
+
+def load_engine(model: Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                config: EngineConfig | None = None) -> LLMEngine:
+    """Load a checkpoint (dense or compressed-tensors quantized, kept packed) and its tokenizer."""
+    from quantship.models.loader import Checkpoint
+    from quantship.models.tokenizer import eos_ids, load_tokenizer
+
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    checkpoint = Checkpoint(model)
+    tokenizer = load_tokenizer(Path(model))
+    loaded = checkpoint.load_model(dtype, device)
+    return LLMEngine(loaded, config, tokenizer, eos_ids(tokenizer, checkpoint.config.eos_token_id))

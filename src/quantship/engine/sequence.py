@@ -1,0 +1,84 @@
+"""One request as the engine tracks it: tokens, blocks, progress, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quantship.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of a finished request (monotonic seconds), what the server's histograms observe."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 priority: int = 0, deadline: float | None = None, arrival: float | None = None):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.token_ids = list(prompt_ids)  # prompt + generated: preemption recomputes all of them
+        self.params = params
+        self.priority = priority
+        self.deadline = deadline  # monotonic time after which the request is dropped
+        self.status = Status.WAITING
+        self.num_computed = 0  # tokens whose KV entries are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival,
+                                      prompt_tokens=len(prompt_ids))
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.text = ""  # detokenized output so far (stop strings cut)
+        self.emitted_chars = 0  # how much of text was already handed to the client
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}, {self.status.value}, {self.num_computed}/{self.num_tokens})"

@@ -1,0 +1,73 @@
+"""How the model reads and writes a paged cache during one engine step.
+
+The engine packs the new tokens of several sequences into one flat row [N] (sequence by sequence),
+so every Linear and the MoE run once over the whole batch. Attention is the only per-sequence part:
+queries are gathered into a padded [S, Q] layout and each sequence's keys are gathered from its
+cache blocks into [S, K]; one masked SDPA call then covers prefill chunks and decodes alike.
+
+Each layer's cache is one tensor [num_slots, width] (slot = block * block_size + offset): the MLA
+latent (c_kv ‖ k_rope) for DeepSeek, (k ‖ v) for Llama.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    kv: list[torch.Tensor]  # per layer [num_slots, width]
+    slots: torch.Tensor  # [N] where each new token's entry is written
+    query_index: torch.Tensor  # [S, Q] flat index of each sequence's queries (padding points at 0)
+    query_valid: torch.Tensor  # [S, Q] bool
+    key_slots: torch.Tensor  # [S, K] cache slot of each sequence's keys, positions 0..K-1
+    mask: torch.Tensor  # [S, 1, Q, K] bool: causal and within the sequence's context
+
+    def write(self, layer: int, entries: torch.Tensor) -> None:
+        self.kv[layer][self.slots] = entries.to(self.kv[layer].dtype)
+
+    def context(self, layer: int) -> torch.Tensor:
+        """[S, K, width]: every cached entry each sequence attends to, this step's included."""
+        return self.kv[layer][self.key_slots]
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """[N, ...] → [S, Q, ...]."""
+        return flat[self.query_index]
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """[S, Q, ...] → [N, ...], in the flat order."""
+        return padded[self.query_valid]
+
+    @classmethod
+    def build(cls, kv: list[torch.Tensor], block_tables: list[list[int]], starts: list[int], counts: list[int],
+              block_size: int, device: torch.device) -> tuple[PagedBatch, torch.Tensor]:
+        """Sequence s computes tokens starts[s] .. starts[s]+counts[s]-1 and sees keys 0 .. that end.
+
+        Returns the batch and the positions [N] of the flat tokens.
+        """
+        s, q, k = len(counts), max(counts), max(a + n for a, n in zip(starts, counts))
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        offsets = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
+        start = torch.tensor(starts, dtype=torch.long)
+        count = torch.tensor(counts, dtype=torch.long)
+        qpos = torch.arange(q)
+        query_valid = qpos[None, :] < count[:, None]
+        query_index = torch.where(query_valid, offsets[:, None] + qpos, 0)
+        query_positions = torch.where(query_valid, start[:, None] + qpos, 0)  # padding sees key 0 only: no NaN rows
+        positions = query_positions[query_valid]
+        kpos = torch.arange(k)
+        key_slots = tables.gather(1, (kpos // block_size).clamp(max=width - 1).expand(s, -1)) * block_size + kpos % block_size
+        mask = kpos[None, None, :] <= query_positions[:, :, None]
+        slots = key_slots.gather(1, query_positions)[query_valid]
+        batch = cls(kv, slots.to(device), query_index.to(device), query_valid.to(device), key_slots.to(device),
+                    mask[:, None].to(device))
+        return batch, positions.to(device)
+
+
+def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight matrix of a Linear or a QuantLinear (dequantized), for absorbing it into attention."""
+    dequantize = getattr(linear, "dequantized_weight", None)
+    return dequantize(dtype) if dequantize is not None else linear.weight.to(dtype)
