@@ -1,11 +1,15 @@
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from reference_models import CONFIGS, save_reference  # noqa: E402
+
+from quantship.models.bundled import TINY_DIR  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +20,20 @@ def reference_dirs(tmp_path_factory):
         d = tmp_path_factory.mktemp(name)
         out[name] = (d, save_reference(name, d))
     return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A DeepSeek-Coder-shaped (Llama) model with the bundled tokenizer, dims multiple of 128."""
+    d = tmp_path_factory.mktemp("llama")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=512, rope_scaling={"type": "linear", "factor": 2.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_DIR / name, d / name)
+    return d

@@ -89,23 +89,6 @@ def test_eight_bit_schemes_are_near_lossless_on_heldout_text(quants):
     assert kl["W8A16"] < kl["W8A8"]  # quantized activations cost something on top of the weights
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """A DeepSeek-Coder-shaped (Llama) model with the bundled tokenizer, dims multiple of 128."""
-    d = tmp_path_factory.mktemp("llama")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=256, intermediate_size=512,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=512, rope_scaling={"type": "linear", "factor": 2.0})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(d)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TINY_DIR / name, d / name)
-    return d
-
-
 # Asymmetric checkpoints are checked through compressed-tensors' own decompressor above: with
 # compressed-tensors 0.20, transformers allocates unpacked zero points and rejects the packed ones
 # that the same library's compressor (and vLLM) use.

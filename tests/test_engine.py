@@ -1,0 +1,195 @@
+"""The serving engine against the plain one-request loop: same greedy tokens under batching,
+chunked prefill, prefix caching and preemption; scheduling rules; sampling; cache size."""
+
+import pytest
+import torch
+
+from quantship.engine.config import EngineConfig
+from quantship.engine.engine import LLMEngine, QueueFull
+from quantship.engine.model_runner import cache_width, full_kv_width
+from quantship.engine.sampling import SamplingParams
+from quantship.models.bundled import TINY_DIR
+from quantship.models.generate import generate_tokens
+from quantship.models.loader import load_model
+from quantship.models.tokenizer import load_tokenizer
+from quantship.quant.pipeline import QuantizeOptions, quantize
+
+# float64 on both sides: batching changes summation order, and greedy choices on random
+# models have near-ties that float32 noise could flip; in float64 only a real bug can.
+DTYPE = torch.float64
+
+
+def staggered_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    shared = ids(21)
+    # Two share a 5-block prefix, one is longer than a step's token budget (chunked prefill).
+    return [shared + ids(3), ids(7), shared + ids(6), ids(61), ids(2), shared[:9]]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, every: int = 2,
+        params: dict | None = None) -> dict[str, list[int]]:
+    """Requests arrive one every `every` steps while earlier ones are mid-flight."""
+    outputs = {str(i): [] for i in range(len(prompts))}
+    queue, step = list(enumerate(prompts)), 0
+    while queue or engine.has_unfinished():
+        if queue and step % every == 0:
+            i, prompt = queue.pop(0)
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                              **(params or {})))
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        step += 1
+        assert step < 5000, "engine made no progress"
+    return outputs
+
+
+def assert_matches_reference(model, engine, prompts, max_tokens=12):
+    got = run(engine, prompts, max_tokens)
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == list(generate_tokens(model, prompt, max_tokens)), f"request {i}"
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    return stats
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group", "deepseek_v2_greedy", "llama"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_matches_plain_loop(reference_dirs, name, prefix_caching):
+    model = load_model(reference_dirs[name][0], DTYPE)
+    config = EngineConfig(block_size=4, max_num_batched_tokens=16, enable_prefix_caching=prefix_caching)
+    stats = assert_matches_reference(model, LLMEngine(model, config), staggered_prompts(model.config.vocab_size))
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_greedy_matches_after_preemption(reference_dirs, name):
+    model = load_model(reference_dirs[name][0], DTYPE)
+    config = EngineConfig(block_size=4, max_num_batched_tokens=16, num_blocks=24)
+    stats = assert_matches_reference(model, LLMEngine(model, config), staggered_prompts(model.config.vocab_size), 16)
+    assert stats.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def w4a16_dirs(tmp_path_factory, llama_dir):
+    """The bundled DeepSeek-V3 and a DeepSeek-Coder-shaped Llama, quantized by our own pipeline."""
+    root = tmp_path_factory.mktemp("w4a16")
+    out = {}
+    for name, source in (("tiny", "tiny"), ("llama", llama_dir)):
+        out[name] = root / name
+        quantize(source, out[name], QuantizeOptions(scheme="W4A16", group_size=64, samples=4, seq_len=64),
+                 progress=False)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama"])
+def test_greedy_matches_on_quantized_checkpoints(w4a16_dirs, name):
+    model = load_model(w4a16_dirs[name], DTYPE)
+    assert any(type(m).__name__ == "QuantLinear" for m in model.modules())  # kept packed, not dequantized
+    config = EngineConfig(block_size=8, max_num_batched_tokens=24, num_blocks=12)
+    stats = assert_matches_reference(model, LLMEngine(model, config), staggered_prompts(1000, seed=1), 10)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TINY_DIR, torch.float32), load_tokenizer(TINY_DIR)
+
+
+def drain(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def test_higher_priority_is_admitted_first_and_preempted_last(tiny):
+    model, _ = tiny
+    engine = LLMEngine(model, EngineConfig(block_size=4, max_num_seqs=2, num_blocks=10))
+    order = []
+    for rid, priority in (("low-a", 0), ("low-b", 0), ("high", 5)):
+        engine.add_request(rid, list(range(10, 18)), SamplingParams(max_tokens=20, ignore_eos=True), priority)
+    steps_with_token: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            steps_with_token.setdefault(out.request_id, []).append(step)
+            if out.finished:
+                order.append(out.request_id)
+        step += 1
+    assert order[0] == "high"
+    assert engine.stats().num_preemptions > 0
+    high = steps_with_token["high"]
+    assert high == list(range(high[0], high[0] + 20))  # never preempted: a token every step
+
+
+def test_bounded_queue_deadline_and_abort_free_everything(tiny):
+    model, _ = tiny
+    engine = LLMEngine(model, EngineConfig(max_waiting=2, block_size=4))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request("a", [5] * 9, params)
+    engine.add_request("b", [6] * 9, params, deadline=0.0)  # already late
+    with pytest.raises(QueueFull):
+        engine.add_request("c", [7] * 9, params)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["b"].finished and outs["b"].finish_reason == "timeout"
+    assert engine.stats().kv_cache_usage > 0
+    engine.abort("a")
+    (out,) = engine.step()
+    assert out.finish_reason == "abort" and engine.stats().kv_cache_usage == 0 and not engine.has_unfinished()
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("d", [1] * engine.max_model_len, params)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("e", [1], SamplingParams(max_tokens=0))
+
+
+def test_sampling_seed_top_k_and_logprobs(tiny):
+    model, _ = tiny
+    prompt = [100, 200, 300, 400]
+
+    def tokens(**params):
+        engine = LLMEngine(model, EngineConfig())
+        engine.add_request("r", prompt, SamplingParams(max_tokens=16, ignore_eos=True, **params))
+        outs = drain(engine)["r"]
+        return [t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.logprobs]
+
+    greedy, logprobs = tokens(logprobs=True)
+    assert tokens(temperature=1.0, top_k=1)[0] == greedy
+    assert tokens(temperature=1.0, seed=7)[0] == tokens(temperature=1.0, seed=7)[0]
+    assert tokens(temperature=1.0, seed=7)[0] != tokens(temperature=1.0, seed=8)[0]
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + greedy]))[0, len(prompt) - 1:-1].log_softmax(-1)
+    expected = full.gather(1, torch.tensor(greedy)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
+
+
+def test_stop_strings_and_stop_tokens(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("def fibonacci(n):")
+
+    def generate(**params):
+        engine = LLMEngine(model, EngineConfig(), tokenizer)
+        engine.add_request("r", prompt, SamplingParams(max_tokens=40, ignore_eos=True, **params))
+        outs = drain(engine)["r"]
+        return "".join(o.text for o in outs), [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason
+
+    text, ids, reason = generate()
+    assert reason == "length" and text == tokenizer.decode(ids, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut, _, reason = generate(stop=[stop])
+    assert reason == "stop" and cut == text[:text.index(stop)]
+    _, stopped_ids, reason = generate(stop_token_ids=[ids[5]])
+    assert reason == "stop" and stopped_ids == ids[:ids.index(ids[5]) + 1]
+
+
+def test_mla_cache_holds_the_latent_not_full_kv(tiny, reference_dirs):
+    model, _ = tiny
+    c = model.config
+    assert cache_width(c) == c.kv_lora_rank + c.qk_rope_head_dim
+    assert full_kv_width(c) / cache_width(c) > 4
+    engine = LLMEngine(model, EngineConfig(num_blocks=3, block_size=16))
+    assert engine.stats().kv_bytes_per_token == cache_width(c) * c.num_hidden_layers * 4
+    assert engine.runner.kv[0].shape == (48, cache_width(c))
+    llama = load_model(reference_dirs["llama"][0]).config
+    assert cache_width(llama) == full_kv_width(llama) == 2 * llama.num_key_value_heads * llama.llama_head_dim
