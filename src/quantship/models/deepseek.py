@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         context = batch.context(index).to(x.dtype)[:, None]  # [S, 1, K, rank + rope]: one "head" shared by all
         keys = context.expand(-1, self.heads, -1, -1)
         values = context[..., : self.kv_lora_rank].expand(-1, self.heads, -1, -1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, scale=self.scale)
+        out = batch.attention(q, keys, values, self.scale)
         out = batch.unpad(out.transpose(1, 2))  # [N, H, rank]
         out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
         return self.o_proj(out)[None]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quantship.models.config import ModelConfig
@@ -58,7 +57,7 @@ class GQAttention(nn.Module):
         k, v = context.view(s, length, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(batch.pad(q).transpose(1, 2), k, v, attn_mask=batch.mask, scale=self.scale)
+        out = batch.attention(batch.pad(q).transpose(1, 2), k, v, self.scale)
         return self.o_proj(batch.unpad(out.transpose(1, 2)).reshape(n, -1))[None]
 
 

@@ -14,6 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds a new execution graph for every new key length (about 1.3 ms of host time per
+# call on an H200 machine), and a decode step has a new key length every time: keep it out.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -22,6 +28,7 @@ class PagedBatch:
     slots: torch.Tensor  # [N] where each new token's entry is written
     query_index: torch.Tensor  # [S, Q] flat index of each sequence's queries (padding points at 0)
     query_valid: torch.Tensor  # [S, Q] bool
+    unpad_index: torch.Tensor  # [N] positions of the valid queries in the flattened [S * Q]
     key_slots: torch.Tensor  # [S, K] cache slot of each sequence's keys, positions 0..K-1
     mask: torch.Tensor  # [S, 1, Q, K] bool: causal and within the sequence's context
 
@@ -37,8 +44,13 @@ class PagedBatch:
         return flat[self.query_index]
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """[S, Q, ...] → [N, ...], in the flat order."""
-        return padded[self.query_valid]
+        """[S, Q, ...] → [N, ...], in the flat order (an index, not a mask: no device sync)."""
+        return padded.flatten(0, 1)[self.unpad_index]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [S, H, Q, D] over k/v [S, H, K, *] under this step's causal-and-length mask."""
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
 
     @classmethod
     def build(cls, kv: list[torch.Tensor], block_tables: list[list[int]], starts: list[int], counts: list[int],
@@ -62,8 +74,9 @@ class PagedBatch:
         key_slots = tables.gather(1, (kpos // block_size).clamp(max=width - 1).expand(s, -1)) * block_size + kpos % block_size
         mask = kpos[None, None, :] <= query_positions[:, :, None]
         slots = key_slots.gather(1, query_positions)[query_valid]
-        batch = cls(kv, slots.to(device), query_index.to(device), query_valid.to(device), key_slots.to(device),
-                    mask[:, None].to(device))
+        unpad_index = query_valid.flatten().nonzero()[:, 0]
+        batch = cls(kv, slots.to(device), query_index.to(device), query_valid.to(device), unpad_index.to(device),
+                    key_slots.to(device), mask[:, None].to(device))
         return batch, positions.to(device)
 
 

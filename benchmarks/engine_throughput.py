@@ -1,0 +1,207 @@
+"""Serving engine throughput against transformers' generate on the same weights, and KV bytes per token.
+
+Here (CPU, bundled model):
+    .venv/bin/python benchmarks/engine_throughput.py run --where cpu
+On the GPU machine (DeepSeek-Coder-6.7B shape, random bf16 weights, plus the bandwidth roofline):
+    PYTHONPATH=src python3 benchmarks/engine_throughput.py run --where gpu --out $OUT
+Then here: .venv/bin/python benchmarks/engine_throughput.py render
+
+Both sides generate the same number of tokens per request (EOS ignored) for a batch of equal-length
+prompts that arrive together; throughput = generated tokens / wall time after a warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import RESULTS, table, update_section  # noqa: E402
+
+# Attention dims of deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite (config.json), for the cache table.
+MLA_MODELS = {
+    "DeepSeek-V3 (671B)": dict(layers=61, heads=128, kv_lora_rank=512, rope=64, nope=128, v=128),
+    "DeepSeek-V2-Lite": dict(layers=27, heads=16, kv_lora_rank=512, rope=64, nope=128, v=128),
+}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_engine(model, prompts: list[list[int]], new_tokens: int, config) -> float:
+    from quantship.engine.engine import LLMEngine
+    from quantship.engine.sampling import SamplingParams
+
+    engine = LLMEngine(model, config)
+    device = str(next(model.parameters()).device.type)
+    sync(device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    sync(device)
+    assert produced == len(prompts) * new_tokens
+    return time.perf_counter() - start
+
+
+def time_transformers(hf, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device=hf.device)
+    sync(hf.device.type)
+    start = time.perf_counter()
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                      do_sample=False, pad_token_id=0)
+    sync(hf.device.type)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - start
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the roofline's denominator."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - start)
+
+
+def load_pair(where: str):
+    """(transformers model, our model sharing its weights, prompt source, dtype)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantship.models.causal_lm import CausalLM
+    from quantship.models.config import config_from_dict
+
+    if where == "cpu":
+        from quantship.models.bundled import TINY_DIR
+        from quantship.models.loader import load_model
+
+        hf = AutoModelForCausalLM.from_pretrained(TINY_DIR, dtype=torch.float32).eval()
+        return hf, load_model(TINY_DIR, torch.float32), "tiny", torch.float32
+    from quantize_speed import SHAPES
+
+    raw = dict(SHAPES["coder-6.7b"])
+    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.device("meta"):
+        ours = CausalLM(config_from_dict(raw))
+    ours.load_state_dict(hf.state_dict(), assign=True)  # same tensors, no second copy
+    return hf, ours.eval(), "coder-6.7b", torch.bfloat16
+
+
+def run(where: str, out: Path) -> None:
+    from quantship.engine.config import EngineConfig
+    from quantship.engine.model_runner import kv_bytes_per_token
+
+    torch.manual_seed(0)
+    hf, ours, name, dtype = load_pair(where)
+    batches, prompt_len, new_tokens = ([1, 8, 32], 32, 64) if where == "cpu" else ([1, 8, 32, 64], 128, 128)
+    vocab = ours.config.vocab_size
+    config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
+                          max_model_len=prompt_len + new_tokens + 16, kv_cache_bytes=16 << 30)
+    rows = []
+    with torch.inference_mode():
+        for batch in batches:
+            prompts = torch.randint(3, vocab, (batch, prompt_len)).tolist()
+            time_engine(ours, prompts, 4, config)  # warm-up: allocator, kernels
+            time_transformers(hf, prompts, 4)
+            t_ours = time_engine(ours, prompts, new_tokens, config)
+            t_hf = time_transformers(hf, prompts, new_tokens)
+            rows.append({"batch": batch, "ours_tok_s": batch * new_tokens / t_ours,
+                         "transformers_tok_s": batch * new_tokens / t_hf, "ratio": t_hf / t_ours})
+            print(rows[-1], flush=True)
+    result = {"where": where, "model": name, "dtype": str(dtype), "prompt_len": prompt_len,
+              "new_tokens": new_tokens, "rows": rows, "torch": torch.__version__,
+              "kv_bytes_per_token": kv_bytes_per_token(ours.config, dtype)}
+    if where == "gpu":
+        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        bandwidth = copy_bandwidth()
+        result |= {"device": torch.cuda.get_device_name(), "weight_bytes": weight_bytes, "copy_bandwidth": bandwidth}
+        for row in rows:
+            row["roofline_tok_s"] = row["batch"] * bandwidth / weight_bytes
+            row["of_roofline"] = row["ours_tok_s"] / row["roofline_tok_s"]
+    else:
+        import os
+
+        result["cpu_threads"] = torch.get_num_threads()
+        result["cpu_count"] = os.cpu_count()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"engine_throughput_{where}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def kv_table() -> str:
+    from quantship.engine.model_runner import cache_width, full_kv_width
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.config import load_config
+
+    rows = []
+    tiny = load_config(TINY_DIR)
+    specs = {"bundled tiny DeepSeek-V3": (cache_width(tiny), full_kv_width(tiny), tiny.num_hidden_layers)}
+    for label, d in MLA_MODELS.items():
+        specs[label] = (d["kv_lora_rank"] + d["rope"], d["heads"] * (d["nope"] + d["rope"] + d["v"]), d["layers"])
+    for label, (latent, full, layers) in specs.items():
+        rows.append([label, f"{latent * layers * 2:,}", f"{full * layers * 2:,}", f"{full / latent:.1f}x"])
+    return table(["model (bf16 cache)", "MLA latent bytes/token", "full K/V bytes/token", "smaller by"], rows)
+
+
+def render() -> None:
+    parts = ["## Serving engine: throughput and cache size", "",
+             "Output tokens per second for N requests arriving together (equal prompt lengths, EOS ignored), "
+             "against transformers' `generate` on the same weights at the same batch size, measured in the same "
+             "run. `python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
+    for where in ("cpu", "gpu"):
+        path = RESULTS / f"engine_throughput_{where}.json"
+        if not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        gpu = where == "gpu"
+        header = ["batch", "quantship tok/s", "transformers tok/s", "quantship / transformers"]
+        header += ["roofline tok/s", "of roofline"] if gpu else []
+        rows = []
+        for row in r["rows"]:
+            cells = [row["batch"], f"{row['ours_tok_s']:.1f}", f"{row['transformers_tok_s']:.1f}", f"{row['ratio']:.2f}x"]
+            if gpu:
+                cells += [f"{row['roofline_tok_s']:.0f}", f"{row['of_roofline']:.0%}"]
+            rows.append(cells)
+        where_text = (f"{r.get('device')}, {r['model']} shape, random {r['dtype']} weights; roofline = batch x copy "
+                      f"bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s) / weight bytes ({r['weight_bytes'] / 1e9:.1f} GB)"
+                      if gpu else f"CPU ({r['cpu_count']} cores), bundled model, {r['dtype']}")
+        parts += [f"**{where_text}**; prompt {r['prompt_len']} tokens, {r['new_tokens']} generated per request.", "",
+                  table(header, rows), ""]
+    parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
+              "per-head keys and values.", "", kv_table()]
+    update_section("engine_throughput", "\n".join(parts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("--where", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    sub.add_parser("render")
+    args = parser.parse_args()
+    if args.cmd == "run":
+        run(args.where, args.out)
+        if args.out == RESULTS:
+            render()
+    else:
+        render()
+
+
+if __name__ == "__main__":
+    main()
