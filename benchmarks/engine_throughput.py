@@ -105,7 +105,7 @@ def load_pair(where: str):
 
 def run(where: str, out: Path) -> None:
     from quantship.engine.config import EngineConfig
-    from quantship.engine.model_runner import kv_bytes_per_token
+    from quantship.models.paged import kv_bytes_per_token
 
     torch.manual_seed(0)
     hf, ours, name, dtype = load_pair(where)
@@ -144,7 +144,7 @@ def run(where: str, out: Path) -> None:
 
 
 def kv_table() -> str:
-    from quantship.engine.model_runner import cache_width, full_kv_width
+    from quantship.models.paged import cache_width, full_kv_width
     from quantship.models.bundled import TINY_DIR
     from quantship.models.config import load_config
 

@@ -6,7 +6,7 @@ import torch
 
 from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine, QueueFull
-from quantship.engine.model_runner import cache_width, full_kv_width
+from quantship.models.paged import cache_width, full_kv_width
 from quantship.engine.sampling import SamplingParams
 from quantship.models.bundled import TINY_DIR
 from quantship.models.generate import generate_tokens

@@ -10,7 +10,8 @@ import torch
 
 from quantship.engine.block_manager import BlockManager
 from quantship.engine.config import EngineConfig
-from quantship.engine.model_runner import ModelRunner, kv_bytes_per_token
+from quantship.engine.model_runner import ModelRunner
+from quantship.models.paged import kv_bytes_per_token
 from quantship.engine.sampler import sample
 from quantship.engine.sampling import SamplingParams
 from quantship.engine.scheduler import QueueFull, Scheduler

@@ -6,26 +6,7 @@ import torch
 
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
-from quantship.models.config import ModelConfig
-from quantship.models.paged import PagedBatch
-
-
-def cache_width(config: ModelConfig) -> int:
-    """Numbers cached per token per layer: the MLA latent, or Llama's full K and V."""
-    if config.is_mla:
-        return config.kv_lora_rank + config.qk_rope_head_dim
-    return 2 * config.num_key_value_heads * config.llama_head_dim
-
-
-def full_kv_width(config: ModelConfig) -> int:
-    """What an MLA model would cache per token per layer without the latent trick (K and V per head)."""
-    if config.is_mla:
-        return config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
-    return cache_width(config)
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return cache_width(config) * config.num_hidden_layers * dtype.itemsize
+from quantship.models.paged import PagedBatch, cache_width
 
 
 class ModelRunner:

@@ -9,6 +9,7 @@ import torch
 from quantship.models.bundled import TINY_DIR, bundled_texts
 from quantship.models.causal_lm import CausalLM
 from quantship.models.loader import Checkpoint
+from quantship.models.paged import cache_width, full_kv_width
 
 
 def parameter_counts(checkpoint: Checkpoint) -> tuple[int, int]:
@@ -44,6 +45,9 @@ def model_info(path: Path) -> dict:
         "size_bytes": ck.size_bytes(),
         "shards": len(set(ck.files.values())),
         "quantization_config": c.raw.get("quantization_config"),
+        # What the serving engine caches per token (all layers, bf16), and full K/V for comparison.
+        "kv_cache_bytes_per_token": cache_width(c) * c.num_hidden_layers * 2,
+        "full_kv_bytes_per_token": full_kv_width(c) * c.num_hidden_layers * 2,
     }
     if c.is_mla:
         info["mla"] = {"q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,

@@ -17,9 +17,29 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from quantship.models.config import ModelConfig
+
 # cuDNN's SDPA builds a new execution graph for every new key length (about 1.3 ms of host time per
 # call on an H200 machine), and a decode step has a new key length every time: keep it out.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cache_width(config: ModelConfig) -> int:
+    """Numbers cached per token per layer: the MLA latent, or Llama's full K and V."""
+    if config.is_mla:
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    return 2 * config.num_key_value_heads * config.llama_head_dim
+
+
+def full_kv_width(config: ModelConfig) -> int:
+    """What an MLA model would cache per token per layer without the latent trick (K and V per head)."""
+    if config.is_mla:
+        return config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
+    return cache_width(config)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return cache_width(config) * config.num_hidden_layers * dtype.itemsize
 
 
 @dataclass
