@@ -1,5 +1,9 @@
-"""An asyncio front for the engine: one background thread steps the batch, each request reads its
-own queue of outputs. Submitting is synchronous so a server can answer 429 before it starts a stream.
+"""An asyncio front for the engine: one background thread owns the engine and steps the batch; each
+request reads its own queue of outputs.
+
+Submitting validates and bounds the queue at once (so a server answers 400/429 before it starts a
+stream) and hands the request to the stepping thread through an inbox: the event loop never waits
+for a step to finish.
 """
 
 from __future__ import annotations
@@ -8,13 +12,21 @@ import asyncio
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from quantship.engine.engine import EngineStats, LLMEngine, QueueFull, RequestOutput
 from quantship.engine.sampling import SamplingParams
 from quantship.engine.sequence import RequestMetrics
 
-__all__ = ["AsyncEngine", "QueueFull", "RequestOutput", "RequestStream"]
+__all__ = ["AsyncEngine", "QueueFull", "RequestOutput", "RequestStream", "ShuttingDown"]
+
+# /ready turns false when one step has run this long: a hung engine, not a slow prefill.
+STUCK_STEP_S = 120.0
+
+
+class ShuttingDown(QueueFull):
+    """The engine no longer accepts requests (SIGTERM drain): answer 503."""
 
 
 class RequestStream:
@@ -49,15 +61,17 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self._lock = threading.Lock()  # guards the engine between the stepping thread and submitters
+        self._inbox: deque[tuple] = deque()  # requests for the stepping thread to add
+        self._aborts: deque[str] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
         self._listeners: list[Callable[[RequestMetrics], None]] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.accepting = True
-        self.last_step = 0.0  # monotonic time of the last loop iteration: /ready checks the loop is alive
+        self.step_started: float | None = None  # set while a step runs: /ready spots a hung engine
         self.error: BaseException | None = None
 
     # --- life cycle -------------------------------------------------------------------------------
@@ -68,10 +82,13 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         alive = self._thread is not None and self._thread.is_alive() and self.error is None
-        return alive and self.accepting and time.monotonic() - self.last_step < 5.0
+        started = self.step_started
+        stuck = started is not None and time.monotonic() - started > STUCK_STEP_S
+        return alive and self.accepting and not stuck
 
     async def shutdown(self, drain: bool = True, timeout: float = 60.0) -> None:
-        """Stop accepting; with drain, let in-flight requests finish (up to timeout), then stop the thread."""
+        """Stop accepting; with drain, let in-flight requests finish (up to timeout), then stop the
+        thread. Requests still unfinished then get a final "abort" output, so no client waits on."""
         self.accepting = False
         deadline = time.monotonic() + timeout
         while drain and self.has_work() and time.monotonic() < deadline:
@@ -79,68 +96,92 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5.0)
+            await asyncio.to_thread(self._thread.join, 10.0)
+        with self._streams_lock:
+            left, self._streams = list(self._streams.items()), {}
+        for request_id, stream in left:
+            stream._put(RequestOutput(request_id, finished=True, finish_reason="abort"))
 
-    # --- requests ---------------------------------------------------------------------------------
+    # --- requests (event loop side) ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                timeout_s: float | None = None, request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises QueueFull (answer 429) or ValueError (bad request) at once."""
+        """Queue a request. Raises ValueError (bad request), QueueFull (429) or ShuttingDown (503) at once."""
         if not self.accepting:
-            raise QueueFull("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
+        self.engine.check_request(prompt_ids, params)
+        # Reading the queue length without the engine thread's cooperation can be off by the few
+        # requests in transit; the bound holds to within that.
+        bound = self.engine.config.max_waiting
+        if len(self.engine.scheduler.waiting) + len(self._inbox) >= bound:
+            raise QueueFull(f"the waiting queue is full ({bound} requests)")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            self.engine.add_request(request_id, prompt_ids, params, priority=priority, deadline=deadline)
+        now = time.monotonic()
+        deadline = None if timeout_s is None else now + timeout_s
+        with self._streams_lock:
             self._streams[request_id] = stream
+        self._inbox.append((request_id, list(prompt_ids), params, priority, deadline, now))
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
+        """The request's blocks are freed before the next step runs."""
+        with self._streams_lock:
             self._streams.pop(request_id, None)
+        self._aborts.append(request_id)
         self._wake.set()
 
     def has_work(self) -> bool:
-        with self._lock:
-            return self.engine.has_unfinished()
+        return bool(self._inbox) or self.engine.has_unfinished()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        return self.engine.stats()  # plain reads of counters: safe enough for metrics without a lock
 
     def add_listener(self, listener: Callable[[RequestMetrics], None]) -> None:
         """Called (from the engine thread) with the metrics of every request that finishes."""
         self._listeners.append(listener)
 
     # --- the stepping thread ----------------------------------------------------------------------
+    def _take_inbox(self) -> list[RequestOutput]:
+        failed = []
+        while self._inbox:
+            request_id, prompt_ids, params, priority, deadline, arrival = self._inbox.popleft()
+            try:
+                self.engine.add_request(request_id, prompt_ids, params, priority, deadline, bounded=False,
+                                        arrival=arrival)
+            except ValueError as exc:
+                failed.append(RequestOutput.failure(request_id, str(exc)))
+        while self._aborts:
+            self.engine.abort(self._aborts.popleft())
+        return failed
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._streams_lock:
+                stream = self._streams.pop(output.request_id, None) if output.finished else \
+                    self._streams.get(output.request_id)
+            if stream is not None:
+                stream._put(output)
+            if output.finished and output.metrics is not None:
+                for listener in self._listeners:
+                    listener(output.metrics)
+
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self.last_step = time.monotonic()
-                with self._lock:
-                    busy = self.engine.has_unfinished()
-                    outputs = self.engine.step() if busy else []
-                    streams = [(self._streams.get(o.request_id), o) for o in outputs]
-                    for o in outputs:
-                        if o.finished:
-                            self._streams.pop(o.request_id, None)
-                for stream, output in streams:
-                    if stream is not None:
-                        stream._put(output)
-                    if output.finished and output.metrics is not None:
-                        for listener in self._listeners:
-                            listener(output.metrics)
-                if not busy:
-                    # Idle: sleep until a request arrives, waking now and then so /ready stays fresh.
+                outputs = self._take_inbox()
+                if self.engine.has_unfinished():
+                    self.step_started = time.monotonic()
+                    outputs += self.engine.step()
+                    self.step_started = None
+                self._deliver(outputs)
+                if not self.engine.has_unfinished() and not self._inbox and not self._aborts:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
         except BaseException as exc:  # surfaced through /ready and to every waiting client
             self.error = exc
-            with self._lock:
-                pending = list(self._streams.items())
-                self._streams.clear()
+            with self._streams_lock:
+                pending, self._streams = list(self._streams.items()), {}
             for request_id, stream in pending:
                 stream._put(RequestOutput.failure(request_id, f"engine error: {exc}"))
             raise

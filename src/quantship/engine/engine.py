@@ -81,13 +81,12 @@ class LLMEngine:
         return max(1, -(-min(wanted, affordable) // config.block_size))
 
     # --- requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    priority: int = 0, deadline: float | None = None) -> Sequence:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, worded for an API client, if the request can never run. Reads no
+        mutable state, so a server may call it from another thread."""
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if request_id in self.sequences:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, and at least one must be left to generate")
@@ -98,8 +97,17 @@ class LLMEngine:
         if len(prompt_ids) + 1 > capacity:
             raise ValueError(f"the prompt needs more KV cache ({len(prompt_ids)} tokens) than the engine has "
                              f"({capacity} tokens)")
-        seq = Sequence(request_id, prompt_ids, params, priority, deadline)
-        self.scheduler.add(seq)  # may raise QueueFull
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    priority: int = 0, deadline: float | None = None, bounded: bool = True,
+                    arrival: float | None = None) -> Sequence:
+        """Queue a request; QueueFull when the waiting queue is at its bound (unless bounded=False,
+        for a caller that enforced the bound itself)."""
+        self.check_request(prompt_ids, params)
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, prompt_ids, params, priority, deadline, arrival)
+        self.scheduler.add(seq, bounded)
         self.sequences[request_id] = seq
         if self.tokenizer is not None:
             self.texts[request_id] = TextTracker(self.tokenizer, params.stop)

@@ -31,8 +31,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
+    def add(self, seq: Sequence, bounded: bool = True) -> None:
+        if bounded and len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self._enqueue(seq)
 

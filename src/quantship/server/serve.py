@@ -1,0 +1,153 @@
+"""`quantship serve`: load the model, start the engine thread, run uvicorn, drain on SIGTERM.
+
+The port is bound before the model loads, so a taken port fails in a second, not after the load.
+On SIGTERM or SIGINT the server stops taking requests (503, and /ready turns 503 so a load
+balancer stops routing), lets every in-flight request finish, then exits 0. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantship.errors import QuantshipError
+
+log = logging.getLogger("quantship.server")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "native"  # or "vllm"
+    device: str | None = None  # default: cuda when available
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None
+    prefix_caching: bool = True
+    drain_timeout_s: float = 120.0
+
+
+def default_model_name(path: Path) -> str:
+    return path.resolve().name or "model"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise QuantshipError(f"--port must be in 0..65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise QuantshipError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check(opts: ServeOptions) -> None:
+    for name in ("max_queue", "max_num_seqs", "max_model_len", "block_size"):
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            raise QuantshipError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def serve(model: str | Path | None, opts: ServeOptions) -> int:
+    from quantship.models.bundled import resolve_model
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _check(opts)
+    path = resolve_model(model)
+    name = opts.served_model_name or default_model_name(path)
+    if opts.engine == "vllm":
+        from quantship.server.vllm import exec_vllm, find_vllm, vllm_command
+
+        executable = find_vllm()
+        if executable is None:
+            raise QuantshipError("--engine vllm needs vLLM, which is not installed (no `vllm` executable on PATH); "
+                                 "pip install vllm on a GPU machine, or use --engine native")
+        exec_vllm(vllm_command(path, name, opts.host, opts.port, executable, opts.max_model_len, opts.api_key,
+                               opts.max_num_seqs, opts.block_size, opts.prefix_caching, opts.max_queue))
+    sock = _bind(opts.host, opts.port)
+    try:
+        async_engine, app = _build(path, name, opts)
+        host, port = sock.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        log.info("serving %s at http://%s:%d/v1 (/metrics, /health, /ready)%s", name, url_host, port,
+                 "; API key required on /v1/*" if opts.api_key else "")
+        asyncio.run(_run(app, async_engine, sock, opts.drain_timeout_s))
+    finally:
+        sock.close()
+    return 0
+
+
+def _build(path: Path, name: str, opts: ServeOptions):
+    import torch
+
+    from quantship.engine.async_engine import AsyncEngine
+    from quantship.engine.config import EngineConfig
+    from quantship.engine.engine import load_engine
+    from quantship.server.app import create_app
+
+    config = EngineConfig(enable_prefix_caching=opts.prefix_caching)
+    for option, field_name in (("max_queue", "max_waiting"), ("max_num_seqs", "max_num_seqs"),
+                               ("max_model_len", "max_model_len"), ("block_size", "block_size")):
+        if getattr(opts, option) is not None:
+            setattr(config, field_name, getattr(opts, option))
+    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    log.info("loading %s on %s", path, device)
+    engine = load_engine(path, device, config=config)
+    s = engine.stats()
+    log.info("KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.1f MiB; context %d tokens, "
+             "batch up to %d sequences, queue bound %d, prefix caching %s", s.num_blocks, s.block_size,
+             s.num_blocks * s.block_size, s.kv_bytes_per_token,
+             s.num_blocks * s.block_size * s.kv_bytes_per_token / 2**20, engine.max_model_len,
+             config.max_num_seqs, config.max_waiting, "on" if config.enable_prefix_caching else "off")
+    async_engine = AsyncEngine(engine, name)
+    return async_engine, create_app(async_engine, api_key=opts.api_key)
+
+
+async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -> None:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def capture_signals(self):  # our handlers below drain first; uvicorn's would stop at once
+            return contextlib.nullcontext()
+
+    server = DrainingServer(uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=30))
+    async_engine.start()
+    loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+
+    async def drain(sig_name: str) -> None:
+        log.info("%s: refusing new requests, draining in-flight ones (up to %.0fs)", sig_name, drain_timeout_s)
+        await async_engine.shutdown(drain=True, timeout=drain_timeout_s)
+        log.info("drained; stopping")
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        if draining:  # a second signal: stop now
+            log.warning("%s again: exiting without waiting", sig.name)
+            server.should_exit = server.force_exit = True
+            return
+        draining.append(loop.create_task(drain(sig.name)))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if not draining:
+            await async_engine.shutdown(drain=False, timeout=0)
