@@ -74,7 +74,7 @@ class MLAttention(nn.Module):
         """
         x = x[0]  # [N, hidden]: the engine packs all sequences into one row
         n = x.shape[0]
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
         q_nope, q_rope = self.queries(x).view(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         q_rope = self.rotary(q_rope.transpose(0, 1), cos, sin).transpose(0, 1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

@@ -22,6 +22,11 @@ class GQAttention(nn.Module):
         self.rotary = RotaryEmbedding(c)
         self.scale = c.softmax_scale
 
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, kv_heads, T, D] → [B, heads, T, D]; a no-op (no copy) for plain multi-head attention."""
+        groups = self.heads // self.kv_heads
+        return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
         index: int = 0,
@@ -36,15 +41,14 @@ class GQAttention(nn.Module):
         if cache is not None:
             # The cache concatenates along dim 1, so store [B, T, kv_heads, D].
             k, v = (z.transpose(1, 2) for z in cache.update(index, (k.transpose(1, 2), v.transpose(1, 2))))
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = self.expand_kv(k), self.expand_kv(v)
         out = attend(q, k, v, positions, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
         x = x[0]  # [N, hidden]: the engine packs all sequences into one row
         n = x.shape[0]
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
 
         def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [N, count*D] → [count, N, D]
             return t.view(n, count, self.head_dim).transpose(0, 1)
@@ -55,8 +59,7 @@ class GQAttention(nn.Module):
         context = batch.context(index).to(x.dtype)  # [S, K, 2 * kv_heads * D]
         s, length = context.shape[:2]
         k, v = context.view(s, length, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = self.expand_kv(k), self.expand_kv(v)
         out = batch.attention(batch.pad(q).transpose(1, 2), k, v, self.scale)
         return self.o_proj(batch.unpad(out.transpose(1, 2)).reshape(n, -1))[None]
 

@@ -11,7 +11,7 @@ latent (c_kv ‖ k_rope) for DeepSeek, (k ‖ v) for Llama.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,14 @@ class PagedBatch:
     unpad_index: torch.Tensor  # [N] positions of the valid queries in the flattened [S * Q]
     key_slots: torch.Tensor  # [S, K] cache slot of each sequence's keys, positions 0..K-1
     mask: torch.Tensor  # [S, 1, Q, K] bool: causal and within the sequence's context
+    _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def cos_sin(self, rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope tables of this step's positions, computed once for all layers (one model, one rope)."""
+        if self._rope is None:
+            cos, sin = rotary.cos_sin(positions)
+            self._rope = (cos.to(dtype), sin.to(dtype))
+        return self._rope
 
     def write(self, layer: int, entries: torch.Tensor) -> None:
         self.kv[layer][self.slots] = entries.to(self.kv[layer].dtype)
