@@ -104,8 +104,11 @@ class AsyncEngine:
 
     # --- requests (event loop side) ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-               timeout_s: float | None = None, request_id: str | None = None) -> RequestStream:
-        """Queue a request. Raises ValueError (bad request), QueueFull (429) or ShuttingDown (503) at once."""
+               timeout_s: float | None = None, request_id: str | None = None,
+               arrival: float | None = None) -> RequestStream:
+        """Queue a request. Raises ValueError (bad request), QueueFull (429) or ShuttingDown (503) at once.
+
+        arrival: when the request reached the server (time.monotonic()); latencies count from it."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         self.engine.check_request(prompt_ids, params)
@@ -116,7 +119,7 @@ class AsyncEngine:
             raise QueueFull(f"the waiting queue is full ({bound} requests)")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
-        now = time.monotonic()
+        now = arrival if arrival is not None else time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         with self._streams_lock:
             self._streams[request_id] = stream

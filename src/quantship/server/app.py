@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantship.engine.async_engine import AsyncEngine, QueueFull
+from quantship.server.faults import FaultInjector
 from quantship.server.metrics import ServerMetrics
 from quantship.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from quantship.server.responses import Kind, complete, stream_events
@@ -44,6 +45,9 @@ class Gatekeeper:
         path = scope.get("path", "")
         if scope["type"] != "http" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
+        # Latency histograms start here, as vLLM's start at its API server: parsing, tokenizing and
+        # any delay inside the server count toward TTFT and E2E.
+        scope.setdefault("state", {})["received_at"] = time.monotonic()
         status = 500  # what the client sees if the app dies before answering
         if self.api_key is not None and not self._authorized(scope):
             status = 401
@@ -80,7 +84,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: ServerMetrics | None = None,
-               served_model_name: str | None = None) -> FastAPI:
+               served_model_name: str | None = None, faults: dict | None = None) -> FastAPI:
+    """faults: {"latency_s": .., "error_rate": ..} for canary drills (see server/faults.py)."""
     engine = async_engine.engine
     tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
     model_name = served_model_name or async_engine.model_name
@@ -89,6 +94,8 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
     app = FastAPI(title="quantship", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
     app.state.metrics = metrics
+    if faults:
+        app.add_middleware(FaultInjector, **faults)  # inside the Gatekeeper: injected 500s are counted
     app.add_middleware(Gatekeeper, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -133,7 +140,8 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
         try:
             # vLLM's priority: lower is served first; the engine ranks higher classes first.
-            stream = async_engine.submit(prompt_ids, params, priority=-body.priority, request_id=kind.request_id)
+            stream = async_engine.submit(prompt_ids, params, priority=-body.priority, request_id=kind.request_id,
+                                         arrival=getattr(request.state, "received_at", None))
         except QueueFull as exc:
             if not async_engine.accepting:
                 raise APIError(503, "the server is shutting down", type="service_unavailable",

@@ -35,6 +35,8 @@ class ServeOptions:
     block_size: int | None = None
     prefix_caching: bool = True
     drain_timeout_s: float = 120.0
+    inject_latency_ms: float = 0.0  # canary drills: a deliberately worse server
+    inject_error_rate: float = 0.0
 
 
 def default_model_name(path: Path) -> str:
@@ -60,6 +62,8 @@ def _check(opts: ServeOptions) -> None:
         value = getattr(opts, name)
         if value is not None and value < 1:
             raise QuantshipError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if opts.inject_latency_ms < 0 or not 0 <= opts.inject_error_rate <= 1:
+        raise QuantshipError("--inject-latency-ms must be >= 0 and --inject-error-rate in [0, 1]")
 
 
 def serve(model: str | Path | None, opts: ServeOptions) -> int:
@@ -114,7 +118,12 @@ def _build(path: Path, name: str, opts: ServeOptions):
              s.num_blocks * s.block_size * s.kv_bytes_per_token / 2**20, engine.max_model_len,
              config.max_num_seqs, config.max_waiting, "on" if config.enable_prefix_caching else "off")
     async_engine = AsyncEngine(engine, name)
-    return async_engine, create_app(async_engine, api_key=opts.api_key)
+    faults = None
+    if opts.inject_latency_ms or opts.inject_error_rate:
+        faults = {"latency_s": opts.inject_latency_ms / 1000, "error_rate": opts.inject_error_rate}
+        log.warning("fault injection on: +%.0f ms per request, %.1f%% answered 500", opts.inject_latency_ms,
+                    100 * opts.inject_error_rate)
+    return async_engine, create_app(async_engine, api_key=opts.api_key, faults=faults)
 
 
 async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -> None:
