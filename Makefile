@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	# Debian's chromium renders verify's HTML report in the browser test.
 	command -v chromium >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
+	# Debian's prometheus gives promtool (rules tests) and the real Prometheus the canary gate tests query.
+	# Where systemd runs, the package starts a service on :9090: stop and disable it (tests start their own).
+	command -v promtool >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends prometheus >/dev/null; $$SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; }
 	touch $(STAMP)
 
 setup: $(STAMP)
