@@ -1,0 +1,135 @@
+"""Ship's end-to-end proof: a real Prometheus scrapes real `quantship serve` processes (a baseline,
+a healthy canary, a bad canary made slower and failing), `quantship bench` drives their load, and
+`quantship gate canary` promotes the healthy one and rolls back the bad one."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from quantship.cli import main
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs prometheus (Debian package prometheus)")
+
+# name → extra `quantship serve` flags
+SERVERS = {
+    "baseline": [],
+    "canary_ok": [],
+    "canary_bad": ["--inject-latency-ms", "400", "--inject-error-rate", "0.2"],
+}
+# Tolerances wide enough for two identical servers sharing two busy CPU cores, still far below
+# what the bad canary adds (~0.4 s on a ~0.05 s first token; 20% errors).
+RULES = {"window": "2m", "rules": [
+    {"name": "ttft_p99", "max_ratio": 2.0,
+     "query": "histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{$selector}[$window])))"},
+    {"name": "error_rate", "max_delta": 0.02,
+     "query": '(sum(rate(http_requests_total{$selector,handler=~"/v1/.*",status=~"5.."}[$window])) or vector(0))'
+              ' / sum(rate(http_requests_total{$selector,handler=~"/v1/.*"}[$window]))'},
+]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Three servers and a Prometheus scraping them every second; everything stopped afterwards."""
+    work = tmp_path_factory.mktemp("canary")
+    procs, urls = [], {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        for name, flags in SERVERS.items():
+            port = free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            log = open(work / f"{name}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "quantship.cli", "serve", "tiny", "--port", str(port), "--max-model-len", "512",
+                 *flags], stdout=log, stderr=subprocess.STDOUT, env=env))
+        jobs = [{"job_name": name, "scrape_interval": "1s", "static_configs": [{"targets": [url.split("//")[1]]}]}
+                for name, url in urls.items()]
+        (work / "prometheus.yml").write_text(yaml.safe_dump({"scrape_configs": jobs}))
+        prom_url = f"http://127.0.0.1:{free_port()}"
+        procs.append(subprocess.Popen(
+            [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address={prom_url.split('//')[1]}"],
+            stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT))
+        for name, url in urls.items():
+            wait_until(lambda url=url: httpx.get(f"{url}/ready", timeout=2).status_code == 200, f"{name} /ready")
+        yield urls, prom_url, work
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_gate_promotes_a_healthy_canary_and_rolls_back_a_bad_one(fleet, capsys):
+    urls, prom_url, work = fleet
+    # Load on all three at once, as a canary and its baseline see it in production.
+    benches = [subprocess.Popen([sys.executable, "-m", "quantship.cli", "bench", url, "--profile", "concurrent",
+                                 "--concurrency", "2", "--requests", "40", "--input-len", "32", "--output-len", "8",
+                                 "-o", str(work / f"bench-{name}")], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+               for name, url in urls.items()]
+    codes = [b.wait(timeout=300) for b in benches]
+    assert codes == [0, 0, 0]
+
+    def scraped_everything() -> bool:
+        query = "sum by (job) (vllm:time_to_first_token_seconds_count)"
+        result = httpx.get(f"{prom_url}/api/v1/query", params={"query": query}, timeout=2).json()["data"]["result"]
+        counts = {r["metric"]["job"]: float(r["value"][1]) for r in result}
+        expected = {name: float(metric_count(url)) for name, url in urls.items()}
+        return counts == expected and all(v > 0 for v in counts.values())
+
+    wait_until(scraped_everything, "Prometheus to scrape the finished load", timeout=30)
+    rules = work / "rules.yaml"
+    rules.write_text(yaml.safe_dump(RULES))
+
+    def gate(canary: str) -> int:
+        return main(["gate", "canary", "--prometheus", prom_url, "--rules", str(rules),
+                     "--canary-selector", f'job="{canary}"', "--baseline-selector", 'job="baseline"',
+                     "--interval", "1", "--count", "2", "--failure-limit", "0"])
+
+    assert gate("canary_ok") == 0, capsys.readouterr().out
+    assert "PROMOTE" in capsys.readouterr().out
+    assert gate("canary_bad") == 1
+    out = capsys.readouterr().out
+    assert "ROLL BACK" in out and "ttft_p99" in out and "error_rate" in out
+
+
+def metric_count(url: str) -> float:
+    """The server's own count of first tokens, to know when Prometheus has caught up."""
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:time_to_first_token_seconds_count"):
+            return float(line.split()[-1])
+    return 0.0
