@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -69,6 +70,9 @@ def cmd_info(args) -> int:
         ("dtype", info["dtype"]),
         ("context", f"{info['max_position_embeddings']} tokens (rope {info['rope']['type']}, factor {info['rope']['factor']:g})"),
         ("size on disk", f"{_human_bytes(info['size_bytes'])} in {info['shards']} shard(s)"),
+        ("KV cache", f"{_human_bytes(info['kv_cache_bytes_per_token'])} per token in bf16"
+                     + (f" (MLA latent; full K/V would be {_human_bytes(info['full_kv_bytes_per_token'])})"
+                        if "mla" in info else "")),
         ("quantization", _describe_quantization(info["quantization_config"])),
     ]
     if "eval_text" in info:
@@ -218,6 +222,83 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from quantship.bench.run import BenchOptions, run_bench
+
+    return run_bench(BenchOptions(
+        url=args.url, model=args.model, profile=args.profile, rates=args.rate or [], concurrency=args.concurrency,
+        burstiness=args.burstiness, steps=args.steps, requests=args.requests, duration=args.duration,
+        input_len=args.input_len, output_len=args.output_len, prompts=args.prompts, tokenizer=args.tokenizer,
+        slo=args.slo, output=args.output, baseline=args.baseline, tolerance=args.tolerance, gate_file=args.gate_file,
+        timeout=args.timeout, allow_remote=args.allow_remote, details=args.details, seed=args.seed))
+
+
+def cmd_serve(args) -> int:
+    from quantship.server.serve import ServeOptions, serve
+
+    return serve(args.model, ServeOptions(
+        host=args.host, port=args.port, engine=args.engine, device=args.device, served_model_name=args.served_model_name,
+        api_key=args.api_key, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
+        inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate))
+
+
+def cmd_deploy(args) -> int:
+    if args.model == "validate":
+        from quantship.deploy.validate import K8S_VERSION, validate_dir
+
+        if not args.path:
+            raise QuantshipError("usage: quantship deploy validate DIR")
+        report = validate_dir(args.path)
+        for problem in report.problems:
+            print(problem)
+        for note in report.notes:
+            print(f"note: {note}")
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(report.kinds.items()))
+        verdict = f"{len(report.problems)} problem(s)" if report.problems else "valid"
+        print(f"{args.path}: {report.objects} objects in {report.files} files ({kinds}); {len(report.builds)} "
+              f"kustomize build(s); Kubernetes {K8S_VERSION} strict + custom schemas: {verdict}")
+        return 1 if report.problems else 0
+    if args.model == "verify":
+        from quantship.deploy.checksums import verify
+
+        verdict = verify(args.path or "tiny", args.sums)
+        print("\n".join(verdict.lines))
+        print(f"verdict: {'PASS' if verdict.ok else 'FAIL'}")
+        return 0 if verdict.ok else 1
+    from quantship.deploy.generate import DeployOptions, generate, summary_lines
+
+    if args.path:
+        raise QuantshipError(f"unexpected argument {args.path!r} (validate and verify are the subcommands)")
+    if args.output is None:
+        raise QuantshipError("deploy MODEL needs -o DIR")
+    opts = DeployOptions(engine=args.engine, gpu_type=args.gpu_type, gpus=args.gpus, replicas=args.replicas,
+                         canary=args.canary, autoscaler=args.autoscaler, image=args.image,
+                         max_model_len=args.max_model_len, load_mbps=args.load_bandwidth,
+                         storage_class=args.storage_class, prometheus_url=args.prometheus_url,
+                         queue_target=args.queue_target, cpu=args.cpu, memory=args.memory, size_gb=args.size_gb,
+                         name=args.name, rules=args.rules, ttft_slo_s=args.ttft_slo, overwrite=args.overwrite)
+    result = generate(args.model, args.output, opts)
+    print("\n".join(summary_lines(result)))
+    return 0
+
+
+def cmd_gate(args) -> int:
+    from quantship.deploy.canary import VERDICTS, clean_selector, load_rules, run_gate
+
+    rules = load_rules(args.rules)
+    canary = clean_selector(args.canary_selector or rules.canary_selector, "canary")
+    baseline = clean_selector(args.baseline_selector or rules.baseline_selector, "baseline")
+    result = run_gate(args.prometheus, rules, canary, baseline, interval=args.interval, count=args.count,
+                      failure_limit=args.failure_limit, window=args.window,
+                      report=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(f"verdict: {VERDICTS[result.verdict]} ({result.reason})")
+    return result.verdict
+
+
 def cmd_demo(args) -> int:
     import tempfile
 
@@ -255,7 +336,54 @@ def cmd_demo(args) -> int:
                                          max_tokens=8192, gate="default", no_sensitivity=False,
                                          no_generations=False, device="cpu", json=False))
     console.print(f"open {report / 'report.html'} in a browser; gate verdict: {'PASS' if code == 0 else 'FAIL'}")
+    _demo_serve(console, gptq)
     return 0
+
+
+def _demo_serve(console, model_dir: Path) -> None:
+    """Start a real server process on the quantized model, ask it one chat question, show its metrics."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    console.rule(f"[bold]quantship serve {model_dir} --port {port}")
+    server = subprocess.Popen([sys.executable, "-m", "quantship.cli", "serve", str(model_dir), "--port", str(port),
+                               "--served-model-name", "tiny-w4a16"])
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise QuantshipError("the demo server did not become ready")
+            time.sleep(0.5)
+        question = "Write a Python function that returns the factorial of n."
+        body = {"model": "tiny-w4a16", "messages": [{"role": "user", "content": question}], "max_tokens": 64,
+                "temperature": 0}
+        console.print(f"POST {url}/v1/chat/completions  (user: {question!r})")
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        console.print(f"assistant: {answer['choices'][0]['message']['content']!r}")
+        console.print(f"usage: {answer['usage']}")
+        wanted = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc",
+                  "vllm:time_to_first_token_seconds_sum", "vllm:e2e_request_latency_seconds_sum")
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(wanted):
+                console.print(line, soft_wrap=True)
+    finally:
+        server.terminate()  # SIGTERM: the server drains and exits
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 EXAMPLES = {
@@ -283,6 +411,30 @@ EXAMPLES = {
         quantship plan tiny --budget-bits 5 -o plan.json
         quantship quantize tiny -o tiny-mixed --plan plan.json
         quantship plan /models/DeepSeek-V2-Lite --budget-bits 4.5 -o plan.json --method awq --device cuda
+    """,
+    "bench": """
+        quantship bench http://127.0.0.1:8000                      # sweep: max throughput, then 5 Poisson rates
+        quantship bench http://127.0.0.1:8000 --profile poisson --rate 1 2 4 --requests 200 --slo ttft=500ms,tpot=50ms
+        quantship bench http://127.0.0.1:8000 --profile concurrent --concurrency 8 --duration 60 -o runs/new
+        quantship bench http://127.0.0.1:8000 --profile constant --rate 2 --prompts prompts.jsonl --output-len 64
+        quantship bench http://127.0.0.1:8000 --baseline runs/old/bench.json --tolerance 5%   # exit 1 on regression
+    """,
+    "serve": """
+        quantship serve                      # the bundled model on http://127.0.0.1:8000/v1
+        quantship serve tiny-w4a16 --port 8001 --max-queue 64 --api-key "$KEY"
+        quantship serve /models/deepseek-coder-6.7b-w4a16 --engine vllm --host 0.0.0.0
+    """,
+    "deploy": """
+        quantship deploy tiny -o k8s/ --gpus 0                   # CPU-only manifests for the bundled model
+        quantship deploy /models/v3-w4a16 -o k8s/ --engine vllm --gpu-type NVIDIA-H200 --replicas 2:8 --canary
+        quantship deploy v3-config-only/ -o k8s/ --engine vllm --autoscaler keda --size-gb 360   # config.json only
+        quantship deploy validate k8s/                            # exit 1 with file: object: field: problem
+        quantship deploy verify /models/v3-w4a16 --sums k8s/      # SHA256SUMS + version check, exit 1 on mismatch
+    """,
+    "gate": """
+        quantship gate canary --prometheus http://127.0.0.1:9090 --canary-selector 'job="canary"' \\
+            --baseline-selector 'job="baseline"' --interval 30 --count 10 --failure-limit 2
+        quantship gate canary --prometheus http://prom:9090 --rules my-rules.yaml --json   # 0 promote, 1 roll back, 2 no data
     """,
     "demo": """
         quantship demo                       # offline, CPU, a few seconds
@@ -368,6 +520,106 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"], help="how candidates are quantized")
     p.add_argument("--calib", type=Path, help="text to calibrate and measure on (default: bundled calibration text)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
+    p = add("bench", "Load-test an OpenAI-compatible server (streaming /v1/completions): TTFT, TPOT, ITL, E2E "
+                     "by load, goodput, plots; a baseline gate exits 1.", cmd_bench)
+    p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000 (loopback unless --allow-remote)")
+    p.add_argument("--model", help="model name to request (default: the first of the server's /v1/models)")
+    p.add_argument("--profile", default="sweep",
+                   choices=["synchronous", "concurrent", "constant", "poisson", "sweep"],
+                   help="sweep (default): saturate to find the max throughput, then a ladder of Poisson rates")
+    p.add_argument("--rate", type=float, nargs="+", metavar="R", help="requests/s for constant and poisson; "
+                                                                       "several run one after another")
+    p.add_argument("--concurrency", type=int, metavar="C", help="streams for concurrent and the sweep's saturation "
+                                                                "step (default 32); a cap on in-flight requests for rates")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 Poisson (default), "
+                                                                 "<1 burstier")
+    p.add_argument("--steps", type=int, default=5, help="rungs of the sweep's rate ladder (default 5)")
+    bound = p.add_mutually_exclusive_group()
+    bound.add_argument("--requests", type=int, metavar="N", help="requests per step (default 100)")
+    bound.add_argument("--duration", type=float, metavar="S", help="seconds of sending per step instead")
+    p.add_argument("--input-len", type=int, metavar="I", help="synthetic prompt tokens (default 256)")
+    p.add_argument("--output-len", type=int, default=128, metavar="O", help="max_tokens, with ignore_eos (default 128)")
+    p.add_argument("--prompts", type=Path, metavar="FILE", help='JSONL of {"prompt": ...} instead of synthetic prompts')
+    p.add_argument("--tokenizer", type=Path, metavar="DIR", help="model directory whose tokenizer counts prompt "
+                                                                 "tokens (default: the bundled model's)")
+    p.add_argument("--slo", metavar="ttft=..,tpot=..", help="goodput SLOs in ms (or s): ttft, tpot, e2el")
+    p.add_argument("-o", "--output", type=Path, default=Path("quantship-bench"), metavar="OUT",
+                   help="writes bench.json, bench.csv, *.png and bench.html here (default quantship-bench)")
+    p.add_argument("--baseline", type=Path, metavar="OLD.json", help="an earlier bench.json (or vLLM result) to gate on")
+    p.add_argument("--tolerance", default="5%", help="how much worse a gated metric may get (default 5%%)")
+    p.add_argument("--gate-file", type=Path, metavar="F", help="YAML choosing gated metrics and their tolerances")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, end to end (default 120)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a host that is not this machine")
+    p.add_argument("--details", action="store_true", help="per-request arrays in bench.json (ttfts, itls, ...)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
+
+    p = add("serve", "Serve a model over an OpenAI-compatible HTTP API with vLLM's Prometheus metrics.", cmd_serve)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="native: quantship's engine (default); vllm: exec `vllm serve` on the same checkpoint")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--served-model-name", metavar="NAME", help="the API's model id (default: the directory name)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("QUANTSHIP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUANTSHIP_API_KEY)")
+    p.add_argument("--max-queue", type=int, metavar="N", help="waiting requests beyond N get 429 (default 256)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences in the running batch (default 64)")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
+    p.add_argument("--block-size", type=int, metavar="N", help="tokens per KV-cache block (default 16)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    p.add_argument("--inject-latency-ms", type=float, default=0.0, metavar="MS",
+                   help="canary drills only: delay every /v1 request by MS (counted in TTFT and E2E)")
+    p.add_argument("--inject-error-rate", type=float, default=0.0, metavar="P",
+                   help="canary drills only: answer this share of /v1 requests with 500")
+
+    p = add("deploy", "Kubernetes manifests for a served model (GPU scheduling, Guaranteed QoS, startup budget, "
+                      "queue autoscaling, canary), validated offline; `deploy validate DIR`, `deploy verify MODEL`.",
+            cmd_deploy)
+    p.usage = ("quantship deploy MODEL -o DIR [options] | quantship deploy validate DIR | "
+               "quantship deploy verify MODEL [--sums FILE|DIR]")
+    p.add_argument("model", metavar="MODEL|validate|verify",
+                   help="a model directory (or config.json-only description), 'tiny', or a subcommand")
+    p.add_argument("path", nargs="?", metavar="DIR|MODEL", help="for validate: the manifests; for verify: the model")
+    p.add_argument("-o", "--output", type=Path, metavar="DIR", help="directory to write (must not exist)")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native", help="our image (default) or vllm/vllm-openai")
+    p.add_argument("--gpu-type", default="NVIDIA-H100-80GB-HBM3", metavar="T", help="nvidia.com/gpu.product label value")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs per replica (default: what the weights need; 0: CPU)")
+    p.add_argument("--replicas", default="1:4", metavar="MIN:MAX", help="autoscaling range (default 1:4)")
+    p.add_argument("--canary", action="store_true", help="also write the canary overlay: Argo Rollout + AnalysisTemplate")
+    p.add_argument("--autoscaler", choices=["hpa", "keda"], default="hpa",
+                   help="hpa: autoscaling/v2 + prometheus-adapter rule (default); keda: ScaledObject")
+    p.add_argument("--image", help="server image (default quantship-server:VERSION, or vLLM's with --engine vllm)")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="context to serve (default: the model's, at most 32768)")
+    p.add_argument("--load-bandwidth", type=float, default=250.0, metavar="MB/S",
+                   help="read rate of the model volume, sizes the startup probe (default 250)")
+    p.add_argument("--size-gb", type=float, metavar="GB", help="model size when MODEL has no weights (default: estimated)")
+    p.add_argument("--storage-class", help="storageClassName of the model cache PVC (must allow ReadOnlyMany)")
+    p.add_argument("--prometheus-url", default="http://prometheus-operated.monitoring.svc:9090",
+                   help="Prometheus for KEDA and the canary analysis")
+    p.add_argument("--queue-target", type=int, default=5, metavar="N", help="waiting requests per replica to scale at")
+    p.add_argument("--cpu", help="CPU per replica (default 8 per GPU, max 64; 4 on CPU)")
+    p.add_argument("--memory", help="memory per replica, e.g. 64Gi (default 32Gi per GPU; on CPU 3 x model + 2Gi)")
+    p.add_argument("--name", help="object and served-model name (default: the model directory's name)")
+    p.add_argument("--rules", metavar="RULES", help="canary rules for the AnalysisTemplate (default: the shipped ones)")
+    p.add_argument("--ttft-slo", type=float, default=2.0, metavar="S", help="p99 TTFT alert threshold (default 2 s)")
+    p.add_argument("--sums", metavar="FILE|DIR", help="verify: SHA256SUMS, or the deploy directory holding it "
+                                                      "(default MODEL/SHA256SUMS)")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+
+    p = add("gate", "Compare a canary with its baseline on Prometheus: exit 0 promote, 1 roll back, 2 inconclusive.",
+            cmd_gate)
+    p.add_argument("check", choices=["canary"], help="what to gate (canary)")
+    p.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    p.add_argument("--rules", default="default", metavar="RULES", help="YAML of PromQL comparisons (default: shipped)")
+    p.add_argument("--canary-selector", metavar="LABELS", help='label matchers of the canary, e.g. \'job="canary"\'')
+    p.add_argument("--baseline-selector", metavar="LABELS", help="label matchers of the baseline")
+    p.add_argument("--interval", type=float, default=60.0, metavar="S", help="seconds between rounds (default 60)")
+    p.add_argument("--count", type=int, default=5, metavar="N", help="rounds (default 5)")
+    p.add_argument("--failure-limit", type=int, default=1, metavar="K", help="failed rounds a rule may have (default 1)")
+    p.add_argument("--window", metavar="W", help="rate window, e.g. 2m (default: the rules file's)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (rounds go to stderr)")
 
     p = add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
     p.add_argument("--workdir", type=Path, help="where to write the demo's checkpoints (default: a temp dir)")
