@@ -15,6 +15,7 @@ class EngineConfig:
     num_blocks: int | None = None  # default: enough for max_num_seqs full contexts, capped by kv_cache_bytes
     kv_cache_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the model allows (GPU only)
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):

@@ -69,7 +69,8 @@ class LLMEngine:
         num_blocks = config.num_blocks or self._default_blocks(config, self.kv_bytes_per_token)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.cuda_graphs, config.max_num_seqs,
+                                  self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.texts: dict[str, TextTracker] = {}
         self.prompt_tokens = self.generation_tokens = 0

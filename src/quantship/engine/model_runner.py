@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import torch
 
+from quantship.engine.cuda_graphs import DecodeGraphs
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
 from quantship.models.paged import PagedBatch, cache_width
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, cuda_graphs: bool = True,
+                 max_seqs: int = 64, max_len: int = 2048):
         self.model = model
         self.block_size = block_size
         first = next(model.parameters())
         self.device, self.dtype = first.device, model.model.embed_tokens.weight.dtype
         width = cache_width(model.config)
-        self.kv = [torch.zeros(num_blocks * block_size, width, dtype=self.dtype, device=self.device)
+        # One block more than the block manager hands out: the scratch block graph padding writes into.
+        self.kv = [torch.zeros((num_blocks + 1) * block_size, width, dtype=self.dtype, device=self.device)
                    for _ in model.model.layers]
+        self.graphs = None
+        if cuda_graphs and DecodeGraphs.supported(model):
+            self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, max_seqs, max_len)
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the scheduled tokens; logits [S', V] for the sequences whose chunk reached their end."""
+        if self.graphs is not None and self.graphs.fits(scheduled):
+            return [seq for seq, _ in scheduled], self.graphs.run(scheduled)
         starts = [seq.num_computed for seq, _ in scheduled]
         counts = [count for _, count in scheduled]
         ids = [t for (seq, count), start in zip(scheduled, starts) for t in seq.token_ids[start:start + count]]

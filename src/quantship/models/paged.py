@@ -82,12 +82,14 @@ class PagedBatch:
 
     @classmethod
     def build(cls, kv: list[torch.Tensor], block_tables: list[list[int]], starts: list[int], counts: list[int],
-              block_size: int, device: torch.device) -> tuple[PagedBatch, torch.Tensor]:
+              block_size: int, device: torch.device, key_len: int | None = None) -> tuple[PagedBatch, torch.Tensor]:
         """Sequence s computes tokens starts[s] .. starts[s]+counts[s]-1 and sees keys 0 .. that end.
 
+        key_len pads the key axis (masked), for CUDA graphs that need fixed shapes.
         Returns the batch and the positions [N] of the flat tokens.
         """
         s, q, k = len(counts), max(counts), max(a + n for a, n in zip(starts, counts))
+        k = max(k, key_len or 0)
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         offsets = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
