@@ -7,25 +7,12 @@ steps (synchronous, concurrent) that have none, the achieved rate stands in.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 
 from quantship.bench.load import StepResult
+from quantship.verify.report import figure, png  # one way to render a Figure for every report
 
 COLORS = ("#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
-
-
-def figure(width: float, height: float):
-    from matplotlib.figure import Figure
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    fig.clear()
-    return buf.getvalue()
 
 
 def _by_rate(summaries: list[dict]) -> list[dict]:

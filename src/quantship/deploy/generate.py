@@ -28,6 +28,7 @@ from quantship.deploy.canary import load_rules
 from quantship.deploy.checksums import MANIFEST_FILE, SUMS_FILE, sums_text
 from quantship.deploy.model import ModelFacts, read_model
 from quantship.errors import QuantshipError
+from quantship.files import publish_directory
 from quantship.models.bundled import resolve_model
 
 
@@ -188,7 +189,7 @@ def generate(model: str | Path, out: str | Path, opts: DeployOptions) -> dict:
         problems = validate_dir(tmp).problems
         if problems:  # our own output failing our own checks is a bug: say so, write nothing
             raise RuntimeError("generated manifests failed validation:\n" + "\n".join(problems))
-        _publish(tmp, out)
+        publish_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -227,13 +228,3 @@ def summary_lines(result: dict) -> list[str]:
     lines.append(f"validated offline; next: kubectl apply -k {out}/base; later: quantship deploy verify "
                  f"{m['source']} --sums {out}")
     return lines
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

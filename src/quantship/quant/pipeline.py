@@ -32,6 +32,7 @@ from quantship.models.tokenizer import load_tokenizer
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
 from quantship.quant.rtn import QuantizedTensor, rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
+from quantship.files import publish_directory
 
 METHODS = ("rtn", "awq", "gptq")
 CLIP_ROWS = 512  # input rows per Linear that AWQ's clipping search looks at
@@ -295,7 +296,7 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
         if opts.plan is not None:
             recipe["plan"] = {n: s.name for n, s in chosen.items()}
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-        _publish(tmp, out)
+        publish_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -319,16 +320,6 @@ def _assert_finite(q: QuantizedTensor, name: str) -> None:
     if not torch.isfinite(q.scale).all():
         raise RuntimeError(f"non-finite scale computed for {name}")  # a bug, not bad input
 
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Swap the finished directory into place; an existing OUT (with --overwrite) goes only after."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _progress(ck: Checkpoint, enabled: bool, dtype, device):
