@@ -21,7 +21,9 @@ from quantship.errors import QuantshipError
 from quantship.models.deepseek import MoE
 
 
-def read_calibration_text(path: Path) -> str:
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file, or the "text" fields of a .jsonl file joined by blank lines: read for calibration and
+    for verify's evaluation text alike. Errors still say "calibration file": `quantize --calib` users see them."""
     if not path.is_file():
         raise QuantshipError("calibration file not found", path)
     try:
@@ -50,7 +52,7 @@ def calibration_tokens(path: Path, tokenizer, samples: int, seq_len: int) -> tup
     """[n, seq_len] token windows spread evenly over the text; n = samples, or fewer if the text is short."""
     if samples < 1 or seq_len < 2:
         raise QuantshipError("--samples must be >= 1 and --seq-len >= 2")
-    ids = tokenizer(read_calibration_text(path), add_special_tokens=False, verbose=False)["input_ids"]
+    ids = tokenizer(read_text_file(path), add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) < seq_len:
         raise QuantshipError(f"calibration text has {len(ids)} tokens, fewer than one sample of {seq_len}", path)
     available = len(ids) // seq_len

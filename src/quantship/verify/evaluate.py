@@ -37,25 +37,37 @@ def chunk_rows(ids: list[int], ctx: int, max_tokens: int | None) -> torch.Tensor
     return torch.tensor(ids[: n * ctx]).view(n, ctx)
 
 
+def _versus(b: torch.Tensor, q: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-token columns that depend on the compared model's logits q."""
+    return dict(kl=M.token_kl(b, q), top1=M.top1_agreement(b, q), top5=M.topk_overlap(b, q, 5),
+                top10=M.topk_overlap(b, q, 10), logp_quant=M.true_token_logprob(q, target),
+                entropy_quant=M.entropy(q), right_quant=(q.argmax(-1) == target).float())
+
+
 @torch.no_grad()
-def compare(base, quant, rows: torch.Tensor, device="cpu", progress=None) -> TokenRecords:
-    """Run both models over rows [n, ctx]; returns per-token records for positions 1..ctx-1."""
-    rec = TokenRecords()
+def compare_each(base, others: dict, rows: torch.Tensor, device="cpu", progress=None) -> dict[str, TokenRecords]:
+    """Run base once per row [n, ctx] and compare it with every model of `others`; per-token records for
+    positions 1..ctx-1, one set per name. `compare` is the one-model case."""
+    recs = {name: TokenRecords() for name in others}
     positions = torch.arange(1, rows.shape[1])
     for row in rows:
         row = row.to(device)[None]
         b = base(row)[0, :-1].float()
-        q = quant(row)[0, :-1].float()
         target = row[0, 1:]
-        lp_b, lp_q = M.true_token_logprob(b, target), M.true_token_logprob(q, target)
-        rec.add(kl=M.token_kl(b, q), top1=M.top1_agreement(b, q), top5=M.topk_overlap(b, q, 5),
-                top10=M.topk_overlap(b, q, 10), logp_base=lp_b, logp_quant=lp_q,
-                entropy_base=M.entropy(b), entropy_quant=M.entropy(q),
-                right_base=(b.argmax(-1) == target).float(), right_quant=(q.argmax(-1) == target).float(),
-                position=positions.float())
+        own = dict(logp_base=M.true_token_logprob(b, target), entropy_base=M.entropy(b),
+                   right_base=(b.argmax(-1) == target).float(), position=positions.float())
+        for name, model in others.items():
+            # The base itself stands in for a floor model of its own dtype (a copy would give the same logits).
+            # Calling in the argument list frees each model's [ctx, vocab] logits before the next one's.
+            recs[name].add(**own, **_versus(b, b if model is base else model(row)[0, :-1].float(), target))
         if progress is not None:
             progress()
-    return rec
+    return recs
+
+
+def compare(base, quant, rows: torch.Tensor, device="cpu", progress=None) -> TokenRecords:
+    """Run both models over rows [n, ctx]; returns per-token records for positions 1..ctx-1."""
+    return compare_each(base, {"quant": quant}, rows, device, progress)["quant"]
 
 
 def headline(rec: TokenRecords, bootstrap: int = 1000) -> dict:

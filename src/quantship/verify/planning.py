@@ -18,7 +18,7 @@ from torch import nn
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import load_tokenizer
-from quantship.quant.calibrate import read_calibration_text
+from quantship.quant.calibrate import read_text_file
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.quant.plan import ORIGINAL, ORIGINAL_BITS, choose_plan
 from quantship.quant.scheme import DEFAULT_IGNORE, get_scheme, is_ignored
@@ -41,7 +41,7 @@ def measure_units(model: str | Path | None, schemes: list[str], method: str = "r
     base_ck = Checkpoint(path)
     calib_path = Path(calib) if calib else TINY_DIR / "calib.txt"
     tokenizer = load_tokenizer(path)
-    ids = tokenizer(read_calibration_text(calib_path), add_special_tokens=False, verbose=False)["input_ids"]
+    ids = tokenizer(read_text_file(calib_path), add_special_tokens=False, verbose=False)["input_ids"]
     # Take the measurement rows from the end of the calibration text, away from the quantizer's first samples.
     measure_rows = chunk_rows(ids[::-1][: rows * ctx][::-1], ctx, None)
     base = base_ck.load_model(device=device)

@@ -15,10 +15,11 @@ from quantship.models.bundled import bundled_texts, resolve_model
 from quantship.models.generate import generate_tokens
 from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import eos_ids, load_tokenizer
-from quantship.quant.calibrate import read_calibration_text
+from quantship.quant.calibrate import read_text_file
 from quantship.verify import evaluate as E
 from quantship.verify import sensitivity as S
 from quantship.verify.coverage import coverage
+from quantship.verify.floor import floor_model
 from quantship.verify.gates import default_gates_file, evaluate_gates, parse_gates
 from quantship.verify.metrics import repetition_rate
 
@@ -77,7 +78,7 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
                              quant_path)
     recipe = _recipe(quant_path)
     text_path = opts.text or bundled_texts()["eval_text"]
-    eval_text = read_calibration_text(Path(text_path))
+    eval_text = read_text_file(Path(text_path))
     tokenizer = load_tokenizer(base_path)
     ids = tokenizer(eval_text, add_special_tokens=False, verbose=False)["input_ids"]
     ctx = opts.ctx or min(base_ck.config.max_position_embeddings, 4096)
@@ -92,20 +93,19 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     base_model = base_ck.load_model(dtype=dtype, device=device)
     quant_model = quant_ck.load_model(dtype=dtype, device=device)
+    floor = floor_model(base_model, base_ck, dtype, getattr(torch, opts.noise_floor_dtype), device)
     step = progress or (lambda *_: None)
-    step("compare", len(rows))
-    records = E.compare(base_model, quant_model, rows, device, progress=lambda: step())
-    floor_dtype = getattr(torch, opts.noise_floor_dtype)
-    step("noise floor", len(rows))
-    floor_model = base_ck.load_model(dtype=floor_dtype, device=device)
-    floor = E.headline(E.compare(base_model, floor_model, rows, device, progress=lambda: step()), opts.bootstrap)
-    del floor_model
+    step("compare + noise floor", len(rows))
+    # One pass: each window's base logits serve both comparisons.
+    both = E.compare_each(base_model, {"quant": quant_model, "floor": floor}, rows, device, progress=lambda: step())
+    del floor  # the copy is not needed by sensitivity, coverage or generations
+    records, floor_records = both["quant"], both["floor"]
     report = {
         "schema_version": 1, "quantship_version": __version__, "base": str(base_path), "quant": str(quant_path),
         "text": str(text_path), "ctx": ctx, "tokens": int(records["kl"].numel()),
         "quant_scheme": recipe.get("scheme"),
         "headline": E.headline(records, opts.bootstrap),
-        "noise_floor": {**floor, "dtype": opts.noise_floor_dtype},
+        "noise_floor": {**E.headline(floor_records, opts.bootstrap), "dtype": opts.noise_floor_dtype},
         "kl_histogram": E.kl_histogram(records),
         "by_position": E.by_position(records, ctx),
     }
@@ -115,7 +115,7 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
         report["sensitivity"] = S.measure(base_model, quant_model, srows, device, progress=lambda: step())
     calib_source = Path(recipe.get("calibration", {}).get("source") or bundled_texts()["calib_text"])
     if calib_source.is_file():
-        calib_text = read_calibration_text(calib_source)
+        calib_text = read_text_file(calib_source)
         calib_ids = tokenizer(calib_text, add_special_tokens=False, verbose=False)["input_ids"]
         report["coverage"] = coverage(base_model, calib_ids, ids, calib_text, eval_text, base_ck.config.vocab_size,
                                       recipe.get("tokens_per_expert"), device=device)
