@@ -1,5 +1,7 @@
 """How fast can `quantship bench` send? The generator must not be the bottleneck it claims to measure.
 
+The client's CPU per request (aiohttp's, plus our parsing of the events) is what bounds these rates.
+
 Against the stub server answering instantly (TTFT 0, no gap between tokens), constant-rate steps
 climb until requests stop leaving on schedule. For each step: achieved / requested send rate,
 completed / requested, p99 send lag (how late requests left against the schedule), and the CPU the
@@ -105,7 +107,8 @@ def main() -> None:
     update_section("bench_client_capacity", "\n".join([
         "## Load generator capacity",
         "",
-        f"`benchmarks/bench_client_capacity.py`: `quantship bench`'s client against its stub server answering "
+        f"`benchmarks/bench_client_capacity.py`: `quantship bench`'s client (aiohttp, one session per step) against "
+        f"its stub server answering "
         f"instantly (streamed, one SSE event per token), on the development machine ({machine}; the stub runs on "
         f"the same cores). Constant-rate steps of {SECONDS_PER_STEP:g} s climb until requests stop leaving on "
         "schedule; sustained = no failure, send rate within 3% of the requested rate, p99 send lag under 10 ms "

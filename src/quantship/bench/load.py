@@ -17,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from quantship.bench.client import Lanes, RequestRecord, completion_payload, stream_completion
+from quantship.bench.client import RequestRecord, Session, completion_payload, stream_completion
 from quantship.bench.prompts import Prompt
 
 PROFILES = ("synchronous", "concurrent", "constant", "poisson", "sweep")
@@ -89,7 +89,7 @@ async def run_step(target: Target, step: Step, stop: asyncio.Event, progress: Pr
     progress.start_step(step, target.requests, target.duration)
     cap = step.concurrency if step.kind != "synchronous" else 1
     started = 0
-    async with Lanes(target.url) as lanes:
+    async with Session(target.url, limit=cap) as session:
         t0 = time.perf_counter()
         deadline = t0 + target.duration if target.duration else float("inf")
         gate = asyncio.Semaphore(cap) if cap else None
@@ -100,7 +100,7 @@ async def run_step(target: Target, step: Step, stop: asyncio.Event, progress: Pr
             prompt = target.prompts[index % len(target.prompts)]
             payload = completion_payload(target.model, prompt.text, target.output_len)
             record = RequestRecord(index, scheduled, prompt_tokens=prompt.tokens)
-            await stream_completion(lanes, payload, record, t0, target.timeout)
+            await stream_completion(session, payload, record, t0, target.timeout)
             result.records.append(record)
             progress.request_done(record)
 
