@@ -206,3 +206,19 @@ def test_cuda_graph_decode_matches_plain_loop(reference_dirs, name):
     assert graphed == (name == "llama")  # routed experts are never graphed
     if graphed:
         assert len(engine.runner.graphs.graphs) >= 2  # several batch sizes were replayed
+
+
+def test_incremental_detokenization_equals_a_full_decode(tiny):
+    from quantship.engine.text import TextTracker
+
+    _, tokenizer = tiny
+    g = torch.Generator().manual_seed(0)
+    samples = [tokenizer.encode("naïve café — “quotes” 東京 🙂 done\n    return x", add_special_tokens=False),
+               torch.randint(0, tokenizer.vocab_size, (300,), generator=g).tolist()]
+    for ids in samples:
+        tracker, streamed = TextTracker(tokenizer, []), ""
+        for i in range(1, len(ids) + 1):
+            tracker.add(ids[:i], False)
+            streamed += tracker.take(False)
+        streamed += tracker.take(True)
+        assert streamed == tracker.text == tokenizer.decode(ids, skip_special_tokens=True)
