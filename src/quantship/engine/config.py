@@ -13,7 +13,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
     num_blocks: int | None = None  # default: enough for max_num_seqs full contexts, capped by kv_cache_bytes
-    kv_cache_bytes: int = 2 << 30
+    # Default: 2 GiB on CPU; on a GPU, 85% of the memory free after loading the weights (the rest is
+    # for activations and CUDA graph pools), as vLLM's gpu_memory_utilization does.
+    kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the model allows (GPU only)
 

@@ -78,8 +78,11 @@ class LLMEngine:
 
     def _default_blocks(self, config: EngineConfig, per_token: int) -> int:
         wanted = config.max_num_seqs * self.max_model_len
-        affordable = config.kv_cache_bytes // per_token
-        return max(1, -(-min(wanted, affordable) // config.block_size))
+        budget = config.kv_cache_bytes
+        if budget is None:
+            device = self.model.model.embed_tokens.weight.device
+            budget = int(torch.cuda.mem_get_info(device)[0] * 0.85) if device.type == "cuda" else 2 << 30
+        return max(1, -(-min(wanted, budget // per_token) // config.block_size))
 
     # --- requests ---------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
