@@ -536,3 +536,14 @@ def test_injected_faults_show_in_the_metrics_a_canary_gate_reads(async_engine):
     ttft = metric(text, "vllm:time_to_first_token_seconds_sum", model_name="tiny")
     assert metric(text, "vllm:time_to_first_token_seconds_count", model_name="tiny") == ok
     assert ttft >= 0.2 * ok  # the delay sits inside the measured latency
+
+
+def test_request_timeout_stops_the_request_and_frees_its_blocks(async_engine):
+    with TestClient(create_app(async_engine, request_timeout_s=0.3)) as c:
+        body = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}).json()
+        assert body["choices"][0]["finish_reason"] == "timeout"
+        assert 0 < body["usage"]["completion_tokens"] < 400
+        deadline = time.monotonic() + 5
+        while async_engine.stats().kv_cache_usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert async_engine.stats().kv_cache_usage == 0

@@ -240,7 +240,8 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, engine=args.engine, device=args.device, served_model_name=args.served_model_name,
         api_key=args.api_key, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
-        inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate))
+        inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate,
+        request_timeout_s=args.request_timeout))
 
 
 def cmd_deploy(args) -> int:
@@ -571,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
     p.add_argument("--block-size", type=int, metavar="N", help="tokens per KV-cache block (default 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    p.add_argument("--request-timeout", type=float, metavar="S",
+                   help="stop a request S seconds after it arrived (finish_reason 'timeout'); default: none")
     p.add_argument("--inject-latency-ms", type=float, default=0.0, metavar="MS",
                    help="canary drills only: delay every /v1 request by MS (counted in TTFT and E2E)")
     p.add_argument("--inject-error-rate", type=float, default=0.0, metavar="P",

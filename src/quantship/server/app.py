@@ -84,8 +84,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: ServerMetrics | None = None,
-               served_model_name: str | None = None, faults: dict | None = None) -> FastAPI:
-    """faults: {"latency_s": .., "error_rate": ..} for canary drills (see server/faults.py)."""
+               served_model_name: str | None = None, faults: dict | None = None,
+               request_timeout_s: float | None = None) -> FastAPI:
+    """faults: {"latency_s": .., "error_rate": ..} for canary drills (see server/faults.py).
+    request_timeout_s: a request still unfinished this long after arriving is stopped (finish_reason
+    "timeout") and its blocks freed, so a stuck queue cannot hold clients forever."""
     engine = async_engine.engine
     tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
     model_name = served_model_name or async_engine.model_name
@@ -141,7 +144,8 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
         try:
             # vLLM's priority: lower is served first; the engine ranks higher classes first.
             stream = async_engine.submit(prompt_ids, params, priority=-body.priority, request_id=kind.request_id,
-                                         arrival=getattr(request.state, "received_at", None))
+                                         arrival=getattr(request.state, "received_at", None),
+                                         timeout_s=request_timeout_s)
         except QueueFull as exc:
             if not async_engine.accepting:
                 raise APIError(503, "the server is shutting down", type="service_unavailable",

@@ -37,6 +37,7 @@ class ServeOptions:
     drain_timeout_s: float = 120.0
     inject_latency_ms: float = 0.0  # canary drills: a deliberately worse server
     inject_error_rate: float = 0.0
+    request_timeout_s: float | None = None
 
 
 def default_model_name(path: Path) -> str:
@@ -62,6 +63,8 @@ def _check(opts: ServeOptions) -> None:
         value = getattr(opts, name)
         if value is not None and value < 1:
             raise QuantshipError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if opts.request_timeout_s is not None and opts.request_timeout_s <= 0:
+        raise QuantshipError(f"--request-timeout must be positive, got {opts.request_timeout_s}")
     if opts.inject_latency_ms < 0 or not 0 <= opts.inject_error_rate <= 1:
         raise QuantshipError("--inject-latency-ms must be >= 0 and --inject-error-rate in [0, 1]")
 
@@ -123,7 +126,8 @@ def _build(path: Path, name: str, opts: ServeOptions):
         faults = {"latency_s": opts.inject_latency_ms / 1000, "error_rate": opts.inject_error_rate}
         log.warning("fault injection on: +%.0f ms per request, %.1f%% answered 500", opts.inject_latency_ms,
                     100 * opts.inject_error_rate)
-    return async_engine, create_app(async_engine, api_key=opts.api_key, faults=faults)
+    return async_engine, create_app(async_engine, api_key=opts.api_key, faults=faults,
+                                    request_timeout_s=opts.request_timeout_s)
 
 
 async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -> None:
