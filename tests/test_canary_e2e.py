@@ -1,6 +1,6 @@
 """Ship's end-to-end proof: a real Prometheus scrapes real `quantship serve` processes (a baseline,
 a healthy canary, a bad canary made slower and failing), `quantship bench` drives their load, and
-`quantship gate canary` promotes the healthy one and rolls back the bad one."""
+`quantship gate canary` promotes the healthy one and rolls back each bad one for its own fault."""
 
 import os
 import shutil
@@ -22,12 +22,13 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs prometheus (De
 SERVERS = {
     "baseline": [],
     "canary_ok": [],
-    "canary_bad": ["--inject-latency-ms", "400", "--inject-error-rate", "0.2"],
+    "canary_slow": ["--inject-latency-ms", "1000"],
+    "canary_errors": ["--inject-error-rate", "0.2"],
 }
-# Tolerances wide enough for two identical servers sharing two busy CPU cores, still far below
-# what the bad canary adds (~0.4 s on a ~0.05 s first token; 20% errors).
+# Tolerances wide enough for identical servers sharing two busy CPU cores, still far below what
+# the bad canaries add (1 s on a first token of ~0.05-0.3 s; 20% errors).
 RULES = {"window": "2m", "rules": [
-    {"name": "ttft_p99", "max_ratio": 2.0,
+    {"name": "ttft_p99", "max_ratio": 3.0,
      "query": "histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{$selector}[$window])))"},
     {"name": "error_rate", "max_delta": 0.02,
      "query": '(sum(rate(http_requests_total{$selector,handler=~"/v1/.*",status=~"5.."}[$window])) or vector(0))'
@@ -65,7 +66,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """Three servers and a Prometheus scraping them every second; everything stopped afterwards."""
+    """Four servers and a Prometheus scraping them every second; everything stopped afterwards."""
     work = tmp_path_factory.mktemp("canary")
     procs, urls = [], {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -95,14 +96,14 @@ def fleet(tmp_path_factory):
 
 def test_gate_promotes_a_healthy_canary_and_rolls_back_a_bad_one(fleet, capsys):
     urls, prom_url, work = fleet
-    # Load on all three at once, as a canary and its baseline see it in production.
+    # Load on all of them at once, as a canary and its baseline see it in production.
     benches = [subprocess.Popen([sys.executable, "-m", "quantship.cli", "bench", url, "--profile", "concurrent",
                                  "--concurrency", "2", "--requests", "40", "--input-len", "32", "--output-len", "8",
                                  "-o", str(work / f"bench-{name}")], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
                for name, url in urls.items()]
     codes = [b.wait(timeout=300) for b in benches]
-    assert codes == [0, 0, 0]
+    assert codes == [0] * len(SERVERS)
 
     def scraped_everything() -> bool:
         query = "sum by (job) (vllm:time_to_first_token_seconds_count)"
@@ -122,9 +123,10 @@ def test_gate_promotes_a_healthy_canary_and_rolls_back_a_bad_one(fleet, capsys):
 
     assert gate("canary_ok") == 0, capsys.readouterr().out
     assert "PROMOTE" in capsys.readouterr().out
-    assert gate("canary_bad") == 1
-    out = capsys.readouterr().out
-    assert "ROLL BACK" in out and "ttft_p99" in out and "error_rate" in out
+    assert gate("canary_slow") == 1
+    assert "ROLL BACK (ttft_p99 failed" in capsys.readouterr().out
+    assert gate("canary_errors") == 1
+    assert "ROLL BACK (error_rate failed" in capsys.readouterr().out
 
 
 def metric_count(url: str) -> float:

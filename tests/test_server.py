@@ -526,12 +526,12 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(w4a16, tmp_path):
 
 def test_injected_faults_show_in_the_metrics_a_canary_gate_reads(async_engine):
     """A drill server: its added latency counts in the server's own TTFT, its 500s in http_requests_total."""
-    app = create_app(async_engine, faults={"latency_s": 0.2, "error_rate": 0.5, "seed": 1})
+    app = create_app(async_engine, faults={"latency_s": 0.2, "error_rate": 0.5})
     with TestClient(app) as c:
         codes = [c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code for _ in range(12)]
         text = c.get("/metrics").text
     ok = codes.count(200)
-    assert set(codes) == {200, 500} and ok >= 2
+    assert codes == [200, 500] * 6  # failures spread evenly, the first request gets through
     assert metric(text, "http_requests_total", handler="/v1/completions", status="5xx") == 12 - ok
     ttft = metric(text, "vllm:time_to_first_token_seconds_sum", model_name="tiny")
     assert metric(text, "vllm:time_to_first_token_seconds_count", model_name="tiny") == ok

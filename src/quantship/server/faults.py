@@ -7,7 +7,6 @@ test (or a staging cluster) start a server that is measurably worse than its bas
 from __future__ import annotations
 
 import asyncio
-import random
 
 from fastapi.responses import JSONResponse
 
@@ -15,19 +14,23 @@ from quantship.server.protocol import error_body
 
 
 class FaultInjector:
-    """Plain ASGI, outermost: the delay lands before the first byte (it shows in TTFT and E2E), and an
-    injected failure is a 500 that the metrics count like any other."""
+    """Plain ASGI inside the request counter: the delay lands before the first byte (it shows in TTFT
+    and E2E), and an injected failure is a 500 that the metrics count like any other.
 
-    def __init__(self, app, latency_s: float = 0.0, error_rate: float = 0.0, seed: int | None = None):
+    Failures are spread evenly, not drawn at random (with rate 0.2: the 5th, 10th, 15th... request),
+    so a drill fails exactly its share and a client's first request gets through."""
+
+    def __init__(self, app, latency_s: float = 0.0, error_rate: float = 0.0):
         self.app, self.latency_s, self.error_rate = app, latency_s, error_rate
-        self.random = random.Random(seed)
+        self.seen = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/") or scope["path"] == "/v1/models":
             return await self.app(scope, receive, send)
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)
-        if self.error_rate > 0 and self.random.random() < self.error_rate:
+        self.seen += 1
+        if int(self.seen * self.error_rate) > int((self.seen - 1) * self.error_rate):
             body = error_body("injected fault (--inject-error-rate)", "internal_server_error", code="injected_fault")
             return await JSONResponse(body, 500)(scope, receive, send)
         return await self.app(scope, receive, send)
