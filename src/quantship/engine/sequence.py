@@ -65,8 +65,6 @@ class Sequence:
         self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival,
                                       prompt_tokens=len(prompt_ids))
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.text = ""  # detokenized output so far (stop strings cut)
-        self.emitted_chars = 0  # how much of text was already handed to the client
 
     @property
     def num_tokens(self) -> int:
