@@ -23,9 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from quantship.errors import QuantshipError
+from quantship.files import read_yaml_file
 
 HIGHER_IS_BETTER = {"request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
                     "goodput_fraction", "max_output_tokens_per_s", "completed"}
@@ -80,12 +79,7 @@ def default_gates(tolerance: float) -> list[Gate]:
 
 
 def read_gate_file(path: Path, tolerance: float) -> list[Gate]:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise QuantshipError(f"cannot read gate file ({exc.strerror})", path) from None
-    except yaml.YAMLError as exc:
-        raise QuantshipError(f"not valid YAML ({str(exc).splitlines()[0]})", path) from None
+    data = read_yaml_file(path, "gate file")
     if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict) or not data["metrics"]:
         raise QuantshipError("expected a mapping with a non-empty 'metrics' mapping", path)
     unknown_keys = set(data) - {"tolerance", "metrics"}

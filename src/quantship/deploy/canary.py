@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-import yaml
-
 from quantship.errors import QuantshipError
+from quantship.files import read_yaml_file
 
 DEFAULT_RULES = Path(__file__).parent / "canary-rules.yaml"
 PROMOTE, ROLLBACK, INCONCLUSIVE = 0, 1, 2
@@ -49,12 +48,7 @@ class Rules:
 
 def load_rules(path: str | Path | None = None) -> Rules:
     path = DEFAULT_RULES if path in (None, "default") else Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise QuantshipError(f"cannot read canary rules ({exc.strerror})", path) from None
-    except yaml.YAMLError as exc:
-        raise QuantshipError(f"malformed YAML ({exc})", path) from None
+    raw = read_yaml_file(path, "canary rules")
     if not isinstance(raw, dict) or not isinstance(raw.get("rules"), list) or not raw["rules"]:
         raise QuantshipError("canary rules need a non-empty 'rules' list", path)
     rules = []

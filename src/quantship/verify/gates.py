@@ -17,9 +17,8 @@ import operator
 import re
 from pathlib import Path
 
-import yaml
-
 from quantship.errors import QuantshipError
+from quantship.files import read_yaml_file
 
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 _EXPR = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
@@ -27,12 +26,7 @@ DEFAULTS_DIR = Path(__file__).parent / "gates"
 
 
 def parse_gates(path: Path) -> list[tuple[str, str, float]]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QuantshipError("gates file not found", path) from None
-    except yaml.YAMLError as exc:
-        raise QuantshipError(f"malformed YAML ({exc})".replace("\n", " "), path) from None
+    data = read_yaml_file(path, "gates file")
     if not isinstance(data, dict) or not isinstance(data.get("gates"), list) or not data["gates"]:
         raise QuantshipError("expected a non-empty list under 'gates'", path)
     gates = []
