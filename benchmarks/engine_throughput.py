@@ -7,13 +7,15 @@ On the GPU machine (DeepSeek-Coder-6.7B shape, random bf16 weights, plus the ban
 Then here: .venv/bin/python benchmarks/engine_throughput.py render
 
 Both sides generate the same number of tokens per request (EOS ignored) for a batch of equal-length
-prompts that arrive together; throughput = generated tokens / wall time after a warm-up run.
+prompts that arrive together; throughput = generated tokens / wall time after a warm-up run, the
+median of REPEATS runs that alternate between the two sides.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -24,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _report import RESULTS, table, update_section  # noqa: E402
+
+REPEATS = 3  # timed runs per side and batch size; the median is reported
 
 # Attention dims of deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite (config.json), for the cache table.
 MLA_MODELS = {
@@ -120,17 +124,21 @@ def run(where: str, out: Path) -> None:
             prompts = torch.randint(3, vocab, (batch, prompt_len)).tolist()
             time_engine(ours, prompts, 4, config)  # warm-up: allocator, kernels
             time_transformers(hf, prompts, 4)
-            t_ours = time_engine(ours, prompts, new_tokens, config)
-            t_hf = time_transformers(hf, prompts, new_tokens)
+            # Alternate the two sides and keep each one's median: these machines are shared and noisy.
+            runs = [(time_engine(ours, prompts, new_tokens, config), time_transformers(hf, prompts, new_tokens))
+                    for _ in range(REPEATS)]
+            t_ours = statistics.median(r[0] for r in runs)
+            t_hf = statistics.median(r[1] for r in runs)
             rows.append({"batch": batch, "ours_tok_s": batch * new_tokens / t_ours,
                          "transformers_tok_s": batch * new_tokens / t_hf, "ratio": t_hf / t_ours})
             if where == "gpu":  # what CUDA graphs are worth: the same engine, every step eager
                 eager = replace(config, cuda_graphs=False)
                 time_engine(ours, prompts, 4, eager)
-                rows[-1]["eager_tok_s"] = batch * new_tokens / time_engine(ours, prompts, new_tokens, eager)
+                t_eager = statistics.median(time_engine(ours, prompts, new_tokens, eager) for _ in range(REPEATS))
+                rows[-1]["eager_tok_s"] = batch * new_tokens / t_eager
             print(rows[-1], flush=True)
     result = {"where": where, "model": name, "dtype": str(dtype), "prompt_len": prompt_len,
-              "new_tokens": new_tokens, "rows": rows, "torch": torch.__version__,
+              "new_tokens": new_tokens, "repeats": REPEATS, "rows": rows, "torch": torch.__version__,
               "kv_bytes_per_token": kv_bytes_per_token(ours.config, dtype)}
     if where == "gpu":
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
@@ -167,7 +175,7 @@ def render() -> None:
     parts = ["## Serving engine: throughput and cache size", "",
              "Output tokens per second for N requests arriving together (equal prompt lengths, EOS ignored), "
              "against transformers' `generate` on the same weights at the same batch size, measured in the same "
-             "run. `python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
+             "run (median of three alternating runs per side). `python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
     for where in ("cpu", "gpu"):
         path = RESULTS / f"engine_throughput_{where}.json"
         if not path.exists():
