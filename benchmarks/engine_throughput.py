@@ -83,6 +83,76 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - start)
 
 
+def quantized_copy(model, bits: int = 4, group: int = 128):
+    """The same model with every decoder Linear RTN-quantized (symmetric, group 128) into PackedLinear;
+    embeddings, norms and lm_head shared with the original (no copy)."""
+    from quantship.models.causal_lm import CausalLM
+    from quantship.models.quantized import quant_linear
+    from quantship.quant.rtn import rtn_quantize
+    from quantship.quant.scheme import WeightQuant
+
+    with torch.device("meta"):
+        copy = CausalLM(model.config)
+    copy.load_state_dict(model.state_dict(), assign=True)
+    args = WeightQuant(num_bits=bits, group_size=group)
+    for layer in copy.model.layers:
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                q = rtn_quantize(module.weight.data, args)
+                owner, attr = name.rsplit(".", 1)
+                setattr(layer.get_submodule(owner), attr,
+                        quant_linear(q.values, q.scale.to(module.weight.dtype), q.zero_point, bits=bits))
+    return copy.eval()
+
+
+def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, steps: int = 512) -> dict:
+    """W4A16 through the kernels against the same weights through dequantize + F.linear, greedy.
+
+    Generations are compared token by token up to the first divergence; then every step is checked
+    teacher-forced: the kernel path's top-1 at each position of the reference generation."""
+    from quantship.engine.config import EngineConfig
+    from quantship.engine.engine import LLMEngine
+    from quantship.engine.sampling import SamplingParams
+    from quantship.models.quantized import PackedLinear
+
+    ids = torch.randint(3, vocab, (prompts, 16)).tolist()
+    config = EngineConfig(max_num_seqs=prompts, max_num_batched_tokens=prompts * 16, max_model_len=16 + steps + 16,
+                          kv_cache_bytes=8 << 30)
+
+    def generate(model, use_kernel: bool) -> list[list[int]]:
+        PackedLinear.use_kernel = use_kernel
+        engine = LLMEngine(model, config)
+        for i, prompt in enumerate(ids):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
+        out = {str(i): [] for i in range(prompts)}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        return [out[str(i)] for i in range(prompts)]
+
+    reference = generate(reference_path_model, False)
+    kernel = generate(fast, True)
+    prefix = [next((j for j, (a, b) in enumerate(zip(r, k)) if a != b), steps) for r, k in zip(reference, kernel)]
+    agree = total = 0
+    with torch.inference_mode():
+        for prompt, gen in zip(ids, reference):
+            seq = torch.tensor([prompt + gen], device="cuda")
+            top1 = fast(seq)[0, len(prompt) - 1:-1].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(top1, gen))
+            total += len(gen)
+    return {"prompts": prompts, "steps": steps, "identical_prefix_tokens": prefix,
+            "teacher_forced_top1_agreement": agree / total}
+
+
+def time_ttft(model, hf, prompt_len: int, config) -> dict:
+    """Batch-1 time to the first token of a long prompt: the engine's prefill against transformers."""
+    prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len)).tolist()
+    long = replace(config, max_num_batched_tokens=prompt_len, max_model_len=prompt_len + 8)
+    ours = statistics.median(time_engine(model, prompt, 1, long) for _ in range(REPEATS + 1))
+    theirs = statistics.median(time_transformers(hf, prompt, 1) for _ in range(REPEATS + 1)) if hf else None
+    return {"prompt_len": prompt_len, "ours_s": ours, "transformers_s": theirs}
+
+
 def load_pair(where: str):
     """(transformers model, our model sharing its weights, prompt source, dtype)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -141,12 +211,15 @@ def run(where: str, out: Path) -> None:
               "new_tokens": new_tokens, "repeats": REPEATS, "rows": rows, "torch": torch.__version__,
               "kv_bytes_per_token": kv_bytes_per_token(ours.config, dtype)}
     if where == "gpu":
-        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        from quantship.models.quantized import weight_bytes as module_bytes
+
+        weight_bytes = module_bytes(ours)
         bandwidth = copy_bandwidth()
         result |= {"device": torch.cuda.get_device_name(), "weight_bytes": weight_bytes, "copy_bandwidth": bandwidth}
         for row in rows:
             row["roofline_tok_s"] = row["batch"] * bandwidth / weight_bytes
             row["of_roofline"] = row["ours_tok_s"] / row["roofline_tok_s"]
+        result["w4a16"] = run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth)
     else:
         import os
 
@@ -154,6 +227,39 @@ def run(where: str, out: Path) -> None:
         result["cpu_count"] = os.cpu_count()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"engine_throughput_{where}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> dict:
+    """The same model RTN-quantized to W4A16 g128 (packed, Triton kernels) beside bf16, same run."""
+    from quantship.models.quantized import PackedLinear, weight_bytes
+
+    before = torch.cuda.memory_allocated()
+    w4 = quantized_copy(ours)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated() - before
+    packed = sum(weight_bytes(m) for m in w4.modules() if isinstance(m, PackedLinear))
+    total = weight_bytes(w4)
+    rows = []
+    with torch.inference_mode():
+        for batch in batches:
+            prompts = torch.randint(3, ours.config.vocab_size, (batch, prompt_len)).tolist()
+            time_engine(w4, prompts, 4, config)
+            time_engine(ours, prompts, 4, config)
+            runs = [(time_engine(w4, prompts, new_tokens, config), time_engine(ours, prompts, new_tokens, config))
+                    for _ in range(REPEATS)]
+            t_w4, t_bf16 = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            rows.append({"batch": batch, "w4a16_tok_s": batch * new_tokens / t_w4,
+                         "bf16_tok_s": batch * new_tokens / t_bf16, "speedup": t_bf16 / t_w4,
+                         "roofline_tok_s": batch * bandwidth / total})
+            rows[-1]["of_roofline"] = rows[-1]["w4a16_tok_s"] / rows[-1]["roofline_tok_s"]
+            print(rows[-1], flush=True)
+        ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, hf, 2048, config)}
+        print(ttft, flush=True)
+        agreement = greedy_agreement(w4, w4, ours.config.vocab_size)
+        PackedLinear.use_kernel = True
+        print(agreement, flush=True)
+    return {"rows": rows, "weight_bytes": total, "packed_linear_bytes": packed, "allocated_bytes": allocated,
+            "ttft": ttft, "agreement": agreement}
 
 
 def kv_table() -> str:

@@ -85,7 +85,7 @@ def w4a16_dirs(tmp_path_factory, llama_dir):
 @pytest.mark.parametrize("name", ["tiny", "llama"])
 def test_greedy_matches_on_quantized_checkpoints(w4a16_dirs, name):
     model = load_model(w4a16_dirs[name], DTYPE)
-    assert any(type(m).__name__ == "QuantLinear" for m in model.modules())  # kept packed, not dequantized
+    assert any(type(m).__name__ == "PackedLinear" for m in model.modules())  # kept packed, not dequantized
     config = EngineConfig(block_size=8, max_num_batched_tokens=24, num_blocks=12)
     stats = assert_matches_reference(model, LLMEngine(model, config), staggered_prompts(1000, seed=1), 10)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

@@ -12,7 +12,7 @@ from quantship.cli import main
 from quantship.errors import QuantshipError
 from quantship.models.bundled import TINY_DIR
 from quantship.models.loader import Checkpoint
-from quantship.models.quantized import QuantLinear
+from quantship.models.quantized import PackedLinear, QuantLinear
 from quantship.quant import pipeline
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.verify.compare import quick_fidelity
@@ -47,7 +47,7 @@ def test_compressed_tensors_library_reads_what_we_wrote(quants, scheme):
     layer = ck.layer(3)
     checked = 0
     for local, module in layer.named_modules():
-        if not isinstance(module, QuantLinear):
+        if not isinstance(module, (QuantLinear, PackedLinear)):
             continue
         weight = compressor.decompress(_module_tensors(ck, f"model.layers.3.{local}"), library_scheme)["weight"]
         ours = module.dequantized_weight(torch.float32)
@@ -130,7 +130,7 @@ def test_starved_experts_fall_back_with_finite_scales(tmp_path):
     assert len([f for f in recipe["fallbacks"] if ".mlp.experts." in f]) == 7 * 8 * 3
     model = Checkpoint(out).load_model()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, PackedLinear)):
             assert torch.isfinite(module.weight_scale).all() and (module.weight_scale > 0).all()
 
 

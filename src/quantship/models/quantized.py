@@ -1,9 +1,12 @@
 """Quantized Linear layers as the model definition runs them, and reading them from
 compressed-tensors checkpoints (pack-quantized, int-quantized, float-quantized).
 
-Weights stay quantized in memory (int8 holding intN, or float8) with their scales; the forward
-dequantizes inside the layer (plain torch ops, CPU and CUDA). W8A8/FP8 schemes also quantize
-activations per token on the fly, as vLLM does, so measured fidelity matches what is served.
+Weight-only integer weights (W4A16, W8A16) are held packed (PackedLinear: 8 or 4 values per int32,
+in the kernel layout of kernels/wna16.py, repacked once at load); on CUDA the forward runs the fused
+Triton kernel, elsewhere it dequantizes and calls F.linear. Everything else (float8, W8A8, act-order
+g_idx) stays one value per byte (QuantLinear) and dequantizes inside the layer. W8A8/FP8 schemes
+also quantize activations per token on the fly, as vLLM does, so measured fidelity matches what is
+served.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantship.kernels import wna16
 
 FP8_MAX = 448.0
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -82,6 +87,53 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}, groups={self.weight_scale.shape[1]}"
 
 
+class PackedLinear(nn.Module):
+    """A Linear whose integer weight stays packed on the device (weight-only: activations untouched)."""
+
+    use_kernel = True  # False: CUDA takes the dequantize + F.linear reference path too (for comparisons)
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                 group_size: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = values.shape
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("weight_packed", wna16.pack(values, bits))
+        self.register_buffer("weight_scale", scale.t().contiguous())
+        self.register_buffer("weight_zero_point", None if zero is None else zero.to(torch.int8).t().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return wna16.dequantize(self.weight_packed, self.weight_scale, self.weight_zero_point, self.bits,
+                                self.in_features, self.group_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.use_kernel:
+            y = wna16.matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bits,
+                             self.in_features, self.group_size)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits} packed, group={self.group_size}"
+
+
+def quant_linear(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                 g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None, activations: str | None = None,
+                 bits: int = 8) -> nn.Module:
+    """The runtime Linear for quantized tensors: packed where the fused kernel can take them."""
+    in_features = values.shape[1]
+    group_size = -(-in_features // scale.shape[1])
+    weight_only_int = values.dtype == torch.int8 and activations is None and g_idx is None
+    if weight_only_int and wna16.supports(bits, group_size, in_features) and in_features % group_size == 0:
+        return PackedLinear(values, scale, zero, bits, group_size, bias)
+    return QuantLinear(values, scale, zero, g_idx, bias, activations)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes a model's weights take in memory: parameters and the buffers of quantized Linears."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
 def matches_target(name: str, target: str) -> bool:
     """compressed-tensors' target syntax: `Linear` (the class), an exact module name, or `re:` + a regex."""
     if target == "Linear":  # a class-name target; only Linear modules are ever asked about
@@ -112,7 +164,7 @@ class CompressedTensorsReader:
                 return group
         return None
 
-    def build(self, module_name: str, state: dict[str, torch.Tensor]) -> QuantLinear:
+    def build(self, module_name: str, state: dict[str, torch.Tensor]) -> nn.Module:
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
         from quantship.errors import QuantshipError
@@ -133,8 +185,8 @@ class CompressedTensorsReader:
             zero = unpack_from_int32(zero, bits, torch.Size([values.shape[0], scale.shape[1]]), packed_dim=0)
         g_idx = state.pop("weight_g_idx", None)
         act = group.get("input_activations")
-        return QuantLinear(values, scale, None if zero is None else zero.to(torch.int8), g_idx,
-                           state.pop("bias", None), activations=act.get("type", "int") if act else None)
+        return quant_linear(values, scale, None if zero is None else zero.to(torch.int8), g_idx,
+                            state.pop("bias", None), activations=act.get("type", "int") if act else None, bits=bits)
 
     def swap_into(self, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
         """Replace every Linear of `layer` whose tensors in `state` are quantized; consume those tensors."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -27,12 +28,12 @@ from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quan
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
 from quantship.models.loader import Checkpoint
-from quantship.models.quantized import QuantLinear
+from quantship.models.quantized import quant_linear
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
 from quantship.quant.rtn import QuantizedTensor, rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
-from quantship.files import publish_directory
+from quantship.files import check_output_location, publish_directory
 
 METHODS = ("rtn", "awq", "gptq")
 CLIP_ROWS = 512  # input rows per Linear that AWQ's clipping search looks at
@@ -77,6 +78,19 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
         raise QuantshipError("output directory exists (pass --overwrite to replace it)", out)
     if out.resolve() == ck.path.resolve():
         raise QuantshipError("output directory is the input model", out)
+    if opts.samples < 1 or opts.seq_len < 2:
+        raise QuantshipError("--samples must be >= 1 and --seq-len >= 2")
+    if opts.seq_len > ck.config.max_position_embeddings:
+        raise QuantshipError(f"--seq-len {opts.seq_len} exceeds the model's context of "
+                             f"{ck.config.max_position_embeddings} tokens", ck.path)
+    if not 0 < opts.dampening <= 1:  # also refuses NaN
+        raise QuantshipError(f"--dampening must be in (0, 1], got {opts.dampening}")
+    for pattern in (p for p in opts.ignore if p.startswith("re:")):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise QuantshipError(f"--ignore {pattern!r} is not a valid regular expression ({exc})") from None
+    check_output_location(out, "output directory")
 
 
 def plan_schemes(ck: Checkpoint, opts: QuantizeOptions) -> dict[str, Scheme]:
@@ -169,8 +183,8 @@ def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype
     owner, attr = name.rsplit(".", 1)
     old = layer.get_submodule(name)
     acts = scheme.input_activations.type if scheme.input_activations else None
-    new = QuantLinear(q.values, q.scale.to(dtype), q.zero_point, q.g_idx,
-                      None if old.bias is None else old.bias.data, activations=acts)
+    new = quant_linear(q.values, q.scale.to(dtype), q.zero_point, q.g_idx,
+                       None if old.bias is None else old.bias.data, activations=acts, bits=q.args.num_bits)
     setattr(layer.get_submodule(owner), attr, new)
 
 

@@ -1,0 +1,145 @@
+"""Weight-only integer matmul (W4A16, W8A16): y = x @ dequantize(W)^T, dequantized in registers.
+
+The weights stay packed on the device in one layout, made once at load time from the checkpoint's
+compressed-tensors rows ([out, in/8] int32, value + 8 stored unsigned, element i at bits 4i):
+
+    packed  int32 [ceil(K / P), N]   P = 32 // bits values per word; word (j, n) holds input columns
+                                     j*P .. j*P+P-1 of output n, column j*P+i at bits i*bits, stored
+                                     unsigned (value + 2^(bits-1)); K padded with zeros (value 0)
+    scale   [G, N] in the model dtype, G = ceil(K / group_size)
+    zero    [G, N] int8 signed like the values (asymmetric only), or None
+
+It is compressed-tensors' packing transposed (as GPTQ and exllama hold it), so a tile of BLOCK_K
+input rows by BLOCK_N outputs is one coalesced load of BLOCK_K / P rows of words. A tile never
+straddles a quantization group (BLOCK_K divides the group), so the scale multiplies the tile's
+partial dot product once per output instead of every weight.
+
+Small M (decode) splits K over several programs and adds the partial sums atomically (fp32), so a
+batch-1 GEMV still fills the GPU; larger M uses plain tiles. Block shapes are a fixed table per M
+class, measured on an H200 (benchmarks/kernel_wna16.py), never tuned on the request path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def words_per_column(in_features: int, bits: int) -> int:
+    per_word = 32 // bits
+    return -(-in_features // per_word)
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed integers [N, K] (int8) → packed int32 [ceil(K/P), N]."""
+    per_word = 32 // bits
+    n, k = values.shape
+    rows = words_per_column(k, bits)
+    unsigned = values.to(torch.int64) + (1 << (bits - 1))
+    unsigned = F.pad(unsigned, (0, rows * per_word - k), value=1 << (bits - 1))
+    shifts = torch.arange(per_word, dtype=torch.int64, device=values.device) * bits
+    words = (unsigned.view(n, rows, per_word) << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement in 32 bits
+    return words.to(torch.int32).t().contiguous()
+
+
+def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Packed int32 [ceil(K/P), N] → signed integers [N, K] (int8)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
+    unsigned = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    values = unsigned.reshape(-1, packed.shape[1])[:in_features] - (1 << (bits - 1))
+    return values.t().to(torch.int8)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+               in_features: int, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] the packed tensors stand for (computed in float32)."""
+    values = unpack(packed, bits, in_features).float()
+    per_column = lambda t: t.float().t().repeat_interleave(group_size, dim=1)[:, :in_features]  # noqa: E731
+    if zero is not None:
+        values = values - per_column(zero)
+    return (values * per_column(scale)).to(dtype)
+
+
+def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     bits: int, in_features: int, group_size: int) -> torch.Tensor:
+    """What the kernel must equal: dequantize, then matmul, all in float32."""
+    return F.linear(x.float(), dequantize(packed, scale, zero, bits, in_features, group_size))
+
+
+@dataclass(frozen=True)
+class Blocks:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # 0: as many splits as fill the GPU (decode), at most K / (4 * block_k)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# M class (upper bound) → tiles. Measured on an H200 with benchmarks/kernel_wna16.py (6.7B shapes).
+BLOCKS_BY_M = [
+    (16, Blocks(16, 64, 128, 0, 4, 4)),
+    (64, Blocks(64, 64, 128, 0, 4, 4)),
+    (256, Blocks(64, 128, 64, 1, 4, 3)),
+    (None, Blocks(128, 128, 64, 1, 8, 3)),
+]
+TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
+
+
+def choose_blocks(m: int) -> Blocks:
+    return next(b for limit, b in BLOCKS_BY_M if limit is None or m <= limit)
+
+
+def supports(bits: int, group_size: int, in_features: int) -> bool:
+    """Shapes the kernel takes: 4 or 8 bits, per-channel or groups that a 16-wide tile divides."""
+    return bits in (4, 8) and (group_size >= in_features or group_size % 16 == 0)
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Triton runs CUDA tensors, or any tensor under its interpreter (how CI tests the kernels on CPU)."""
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fit(blocks: Blocks, m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int]:
+    """Block K that stays inside a group, the K range per split and the number of splits."""
+    block_k = blocks.block_k
+    while group_size < k and group_size % block_k:
+        block_k //= 2
+    tiles = -(-n // blocks.block_n) * -(-m // blocks.block_m)
+    steps = -(-k // block_k)
+    split = blocks.split_k or max(1, min(TARGET_PROGRAMS // tiles, steps // 4))
+    per_split = -(-steps // split) * block_k
+    return block_k, per_split, -(-k // per_split), split
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+           in_features: int, group_size: int, blocks: Blocks | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton."""
+    import triton
+
+    from quantship.kernels._wna16_triton import wna16_kernel
+
+    shape = x.shape
+    x2 = x.reshape(-1, in_features).contiguous()
+    m, n, k = x2.shape[0], packed.shape[1], in_features
+    blocks = blocks or choose_blocks(m)
+    block_k, per_split, splits, _ = _fit(blocks, m, n, k, group_size)
+    out = torch.zeros if splits > 1 else torch.empty
+    y = out((m, n), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(m, blocks.block_m), splits)
+    wna16_kernel[grid](
+        x2, packed, scale, zero if zero is not None else scale, y, m, n, k, x2.stride(0), group_size, per_split,
+        BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
+        BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return y.to(x.dtype).reshape(*shape[:-1], n)

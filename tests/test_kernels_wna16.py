@@ -1,0 +1,97 @@
+"""The fused W4A16/W8A16 kernel against its float32 reference (dequantize, then matmul).
+
+On CPU these run under Triton's interpreter (conftest sets TRITON_INTERPRET=1) with small shapes; on
+a GPU the same tests run on CUDA, plus the 6.7B Linear shapes.
+"""
+
+import pytest
+import torch
+
+from quantship.kernels import wna16
+from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, weight_bytes
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytest.importorskip("triton")
+
+
+def random_quantized(n, k, bits, group, symmetric, seed):
+    g = torch.Generator().manual_seed(seed)
+    qmax = 1 << (bits - 1)
+    values = torch.randint(-qmax, qmax, (n, k), generator=g, dtype=torch.int8)
+    groups = -(-k // group)
+    scale = torch.rand(groups, n, generator=g) * 0.02 + 0.001
+    zero = None if symmetric else torch.randint(-qmax, qmax, (groups, n), generator=g, dtype=torch.int8)
+    return values, scale, zero
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k", [8, 96, 200, 1000])
+def test_pack_round_trips_and_matches_compressed_tensors(bits, k):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    values, _, _ = random_quantized(24, k, bits, k, True, seed=k)
+    packed = wna16.pack(values, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (-(-k // (32 // bits)), 24)
+    assert torch.equal(wna16.unpack(packed, bits, k), values)
+    if k % 8 == 0:  # the checkpoint's own packing, transposed: one documented repack at load
+        assert torch.equal(packed.t(), pack_to_int32(values, bits))
+
+
+CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across the kernel's classes
+    (4, 32, True, 1, 40, 96),
+    (4, 64, False, 5, 72, 128),
+    (4, 128, True, 1, 64, 1024),  # long K: the decode class splits K (atomic partial sums)
+    (4, 128, False, 3, 80, 512),
+    (4, 32, False, 17, 33, 160),
+    (4, 200, True, 70, 64, 200),  # per-channel, K not a multiple of the tile
+    (4, 64, True, 300, 48, 192),
+    (8, 128, True, 16, 48, 256),
+    (8, 32, False, 2, 56, 96),
+    (8, 1000, False, 65, 24, 1000),
+]
+
+
+@pytest.mark.parametrize("bits,group,symmetric,m,n,k", CASES)
+def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
+    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=m * n + k)
+    packed = wna16.pack(values, bits).to(DEVICE)
+    scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
+    for dtype, tolerance in ((torch.float32, 1e-5 if DEVICE == "cpu" else 3e-3), (torch.bfloat16, 1e-2)):
+        if dtype == torch.bfloat16 and DEVICE == "cpu":
+            continue  # the interpreter's bf16 dot goes through numpy float32: nothing more to learn on CPU
+        out = wna16.matmul(x.to(dtype), packed, scale.to(dtype), zero, bits, k, group)
+        assert out.shape == (m, n) and out.dtype == dtype
+        error = (out.float() - expected).norm() / expected.norm()
+        assert error < tolerance, (dtype, error.item())
+
+
+@pytest.mark.parametrize("blocks", [wna16.Blocks(16, 32, 64, 4), wna16.Blocks(32, 16, 32, 1)])
+def test_every_tile_shape_and_split_agrees(blocks):
+    values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
+    packed = wna16.pack(values, 4).to(DEVICE)
+    x = torch.randn(7, 512).to(DEVICE)
+    scale, zero = scale.to(DEVICE), zero.to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, 4, 512, 64)
+    out = wna16.matmul(x, packed, scale, zero, 4, 512, 64, blocks=blocks)
+    assert ((out - expected).norm() / expected.norm()) < 3e-3
+
+
+def test_packed_linear_holds_packed_bytes_and_matches_the_unpacked_layer():
+    values, scale, zero = random_quantized(64, 256, 4, 32, False, seed=1)
+    bias = torch.randn(64)
+    packed = quant_linear(values, scale.t(), zero.t(), bias=bias, bits=4)
+    plain = QuantLinear(values, scale.t(), zero.t(), bias=bias)
+    assert isinstance(packed, PackedLinear)
+    x = torch.randn(5, 256)
+    assert torch.allclose(packed(x), plain(x), atol=1e-5)
+    weight_and_bias = 64 * 256 // 2 + (256 // 32) * 64 * (4 + 1) + 64 * 4  # int4 + fp32 scales + int8 zeros
+    assert weight_bytes(packed) == weight_and_bias < weight_bytes(plain)
+
+
+def test_layers_the_kernel_cannot_take_stay_unpacked():
+    values, scale, _ = random_quantized(16, 96, 4, 32, True, seed=2)
+    assert isinstance(quant_linear(values, scale.t(), bits=4, activations="int"), QuantLinear)  # W8A8-style
+    assert isinstance(quant_linear(values, scale.t(), g_idx=torch.arange(96) // 32, bits=4), QuantLinear)
+    assert isinstance(quant_linear(values, scale.t(), bits=3), QuantLinear)  # no 3-bit kernel
