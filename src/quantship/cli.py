@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 from quantship import __version__
+from quantship.argtypes import PORT, POSITIVE, POSITIVE_FLOAT, SEED, OneLineParser, integer, module_pattern, number
 from quantship.errors import QuantshipError
 
 
@@ -450,7 +453,7 @@ def _examples(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="quantship",
         description="Quantize a DeepSeek-family model, verify it, serve it, benchmark it and ship it.",
         epilog="MODEL is a local Hugging Face-layout directory, or 'tiny' (the default) for the bundled model.",
@@ -471,10 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("generate", "Generate text with quantship's model definition (simple loop, one request).", cmd_generate)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=POSITIVE, default=64,
+                   help="tokens to generate, within the context (default 64)")
+    p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0)
+    p.add_argument("--seed", type=SEED, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
 
@@ -490,12 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ activation order: static (group is refused: current readers dropped g_idx)")
     p.add_argument("--calib", type=Path, help="calibration .txt or .jsonl ({\"text\": ...} per line); "
                                               "default: the bundled calibration text")
-    p.add_argument("--samples", type=int, default=128, help="calibration samples (default 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples (default 128)")
+    p.add_argument("--seq-len", type=integer(2), default=512, help="tokens per sample (default 512)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--ignore", nargs="+", metavar="PATTERN",
+    p.add_argument("--ignore", nargs="+", metavar="PATTERN", type=module_pattern,
                    help="keep these modules unquantized: names or 're:' regexes (lm_head and routers always)")
-    p.add_argument("--dampening", type=float, default=0.01, help="GPTQ dampening fraction (default 0.01)")
+    p.add_argument("--dampening", type=number(0, 1, lo_open=True), default=0.01,
+                   help="GPTQ dampening fraction (default 0.01)")
     p.add_argument("--plan", type=Path, help="mixed-precision plan from 'quantship plan' (overrides --scheme per module)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--json", action="store_true", help="print the recipe as JSON")
@@ -507,8 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("quant", metavar="QUANT", help="the quantized model")
     p.add_argument("--report", required=True, type=Path, metavar="DIR", help="writes report.json, .md and .html here")
     p.add_argument("--text", type=Path, help="held-out text (default: the bundled evaluation text)")
-    p.add_argument("--ctx", type=int, help="tokens per window (default: the model's context, at most 4096)")
-    p.add_argument("--max-tokens", type=int, default=32768, help="evaluate at most this many tokens (default 32768)")
+    p.add_argument("--ctx", type=integer(2), help="tokens per window (default: the model's context, at most 4096)")
+    p.add_argument("--max-tokens", type=integer(2), default=32768,
+                   help="evaluate at most this many tokens (default 32768)")
     p.add_argument("--gate", metavar="GATES", help="YAML thresholds, or 'default' for the scheme's shipped gates")
     p.add_argument("--no-sensitivity", action="store_true", help="skip per-layer sensitivity")
     p.add_argument("--no-generations", action="store_true", help="skip side-by-side generations")
@@ -517,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("plan", "Choose a scheme per module from measured sensitivity under an average-bits budget.", cmd_plan)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
-    p.add_argument("--budget-bits", type=float, required=True, help="average stored bits per Linear weight")
+    p.add_argument("--budget-bits", type=POSITIVE_FLOAT, required=True, help="average stored bits per Linear weight")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="PLAN", help="plan JSON to write")
     p.add_argument("--schemes", default="W4A16,W8A16", help="candidates besides the original dtype (default W4A16,W8A16)")
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"], help="how candidates are quantized")
@@ -531,18 +537,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="sweep",
                    choices=["synchronous", "concurrent", "constant", "poisson", "sweep"],
                    help="sweep (default): saturate to find the max throughput, then a ladder of Poisson rates")
-    p.add_argument("--rate", type=float, nargs="+", metavar="R", help="requests/s for constant and poisson; "
-                                                                       "several run one after another")
-    p.add_argument("--concurrency", type=int, metavar="C", help="streams for concurrent and the sweep's saturation "
-                                                                "step (default 32); a cap on in-flight requests for rates")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 Poisson (default), "
-                                                                 "<1 burstier")
-    p.add_argument("--steps", type=int, default=5, help="rungs of the sweep's rate ladder (default 5)")
+    p.add_argument("--rate", type=POSITIVE_FLOAT, nargs="+", metavar="R",
+                   help="requests/s for constant and poisson; several run one after another")
+    p.add_argument("--concurrency", type=POSITIVE, metavar="C", help="streams for concurrent and the sweep's "
+                                                                     "saturation step (default 32); a cap on in-flight "
+                                                                     "requests for rates")
+    p.add_argument("--burstiness", type=POSITIVE_FLOAT, default=1.0,
+                   help="gamma shape of arrival gaps: 1 Poisson (default), <1 burstier")
+    p.add_argument("--steps", type=POSITIVE, default=5, help="rungs of the sweep's rate ladder (default 5)")
     bound = p.add_mutually_exclusive_group()
-    bound.add_argument("--requests", type=int, metavar="N", help="requests per step (default 100)")
-    bound.add_argument("--duration", type=float, metavar="S", help="seconds of sending per step instead")
-    p.add_argument("--input-len", type=int, metavar="I", help="synthetic prompt tokens (default 256)")
-    p.add_argument("--output-len", type=int, default=128, metavar="O", help="max_tokens, with ignore_eos (default 128)")
+    bound.add_argument("--requests", type=POSITIVE, metavar="N", help="requests per step (default 100)")
+    bound.add_argument("--duration", type=POSITIVE_FLOAT, metavar="S", help="seconds of sending per step instead")
+    p.add_argument("--input-len", type=POSITIVE, metavar="I", help="synthetic prompt tokens (default 256)")
+    p.add_argument("--output-len", type=POSITIVE, default=128, metavar="O",
+                   help="max_tokens, with ignore_eos (default 128)")
     p.add_argument("--prompts", type=Path, metavar="FILE", help='JSONL of {"prompt": ...} instead of synthetic prompts')
     p.add_argument("--tokenizer", type=Path, metavar="DIR", help="model directory whose tokenizer counts prompt "
                                                                  "tokens (default: the bundled model's)")
@@ -552,31 +560,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", type=Path, metavar="OLD.json", help="an earlier bench.json (or vLLM result) to gate on")
     p.add_argument("--tolerance", default="5%", help="how much worse a gated metric may get (default 5%%)")
     p.add_argument("--gate-file", type=Path, metavar="F", help="YAML choosing gated metrics and their tolerances")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request, end to end (default 120)")
+    p.add_argument("--timeout", type=POSITIVE_FLOAT, default=120.0,
+                   help="seconds per request, end to end (default 120)")
     p.add_argument("--allow-remote", action="store_true", help="allow a host that is not this machine")
     p.add_argument("--details", action="store_true", help="per-request arrays in bench.json (ttfts, itls, ...)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times (default 0)")
 
     p = add("serve", "Serve a model over an OpenAI-compatible HTTP API with vLLM's Prometheus metrics.", cmd_serve)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--port", type=PORT, default=8000, help="default 8000")
     p.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="native: quantship's engine (default); vllm: exec `vllm serve` on the same checkpoint")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--served-model-name", metavar="NAME", help="the API's model id (default: the directory name)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("QUANTSHIP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUANTSHIP_API_KEY)")
-    p.add_argument("--max-queue", type=int, metavar="N", help="waiting requests beyond N get 429 (default 256)")
-    p.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences in the running batch (default 64)")
-    p.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
-    p.add_argument("--block-size", type=int, metavar="N", help="tokens per KV-cache block (default 16)")
+    p.add_argument("--max-queue", type=POSITIVE, metavar="N", help="waiting requests beyond N get 429 (default 256)")
+    p.add_argument("--max-num-seqs", type=POSITIVE, metavar="N", help="sequences in the running batch (default 64)")
+    p.add_argument("--max-model-len", type=POSITIVE, metavar="N",
+                   help="context length, at most the model's (default: the model's)")
+    p.add_argument("--block-size", type=integer(1, 1024), metavar="N", help="tokens per KV-cache block (default 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
-    p.add_argument("--request-timeout", type=float, metavar="S",
+    p.add_argument("--request-timeout", type=POSITIVE_FLOAT, metavar="S",
                    help="stop a request S seconds after it arrived (finish_reason 'timeout'); default: none")
-    p.add_argument("--inject-latency-ms", type=float, default=0.0, metavar="MS",
+    p.add_argument("--inject-latency-ms", type=number(0), default=0.0, metavar="MS",
                    help="canary drills only: delay every /v1 request by MS (counted in TTFT and E2E)")
-    p.add_argument("--inject-error-rate", type=float, default=0.0, metavar="P",
+    p.add_argument("--inject-error-rate", type=number(0, 1), default=0.0, metavar="P",
                    help="canary drills only: answer this share of /v1 requests with 500")
 
     p = add("deploy", "Kubernetes manifests for a served model (GPU scheduling, Guaranteed QoS, startup budget, "
@@ -590,25 +600,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, metavar="DIR", help="directory to write (must not exist)")
     p.add_argument("--engine", choices=["native", "vllm"], default="native", help="our image (default) or vllm/vllm-openai")
     p.add_argument("--gpu-type", default="NVIDIA-H100-80GB-HBM3", metavar="T", help="nvidia.com/gpu.product label value")
-    p.add_argument("--gpus", type=int, metavar="N", help="GPUs per replica (default: what the weights need; 0: CPU)")
+    p.add_argument("--gpus", type=integer(0, 8), metavar="N",
+                   help="GPUs per replica (default: what the weights need; 0: CPU)")
     p.add_argument("--replicas", default="1:4", metavar="MIN:MAX", help="autoscaling range (default 1:4)")
     p.add_argument("--canary", action="store_true", help="also write the canary overlay: Argo Rollout + AnalysisTemplate")
     p.add_argument("--autoscaler", choices=["hpa", "keda"], default="hpa",
                    help="hpa: autoscaling/v2 + prometheus-adapter rule (default); keda: ScaledObject")
     p.add_argument("--image", help="server image (default quantship-server:VERSION, or vLLM's with --engine vllm)")
-    p.add_argument("--max-model-len", type=int, metavar="N", help="context to serve (default: the model's, at most 32768)")
-    p.add_argument("--load-bandwidth", type=float, default=250.0, metavar="MB/S",
+    p.add_argument("--max-model-len", type=POSITIVE, metavar="N",
+                   help="context to serve (default: the model's, at most 32768)")
+    p.add_argument("--load-bandwidth", type=POSITIVE_FLOAT, default=250.0, metavar="MB/S",
                    help="read rate of the model volume, sizes the startup probe (default 250)")
-    p.add_argument("--size-gb", type=float, metavar="GB", help="model size when MODEL has no weights (default: estimated)")
+    p.add_argument("--size-gb", type=POSITIVE_FLOAT, metavar="GB",
+                   help="model size when MODEL has no weights (default: estimated)")
     p.add_argument("--storage-class", help="storageClassName of the model cache PVC (must allow ReadOnlyMany)")
     p.add_argument("--prometheus-url", default="http://prometheus-operated.monitoring.svc:9090",
                    help="Prometheus for KEDA and the canary analysis")
-    p.add_argument("--queue-target", type=int, default=5, metavar="N", help="waiting requests per replica to scale at")
+    p.add_argument("--queue-target", type=integer(1, 10**6), default=5, metavar="N",
+                   help="waiting requests per replica to scale at")
     p.add_argument("--cpu", help="CPU per replica (default 8 per GPU, max 64; 4 on CPU)")
     p.add_argument("--memory", help="memory per replica, e.g. 64Gi (default 32Gi per GPU; on CPU 3 x model + 2Gi)")
     p.add_argument("--name", help="object and served-model name (default: the model directory's name)")
     p.add_argument("--rules", metavar="RULES", help="canary rules for the AnalysisTemplate (default: the shipped ones)")
-    p.add_argument("--ttft-slo", type=float, default=2.0, metavar="S", help="p99 TTFT alert threshold (default 2 s)")
+    p.add_argument("--ttft-slo", type=POSITIVE_FLOAT, default=2.0, metavar="S",
+                   help="p99 TTFT alert threshold (default 2 s)")
     p.add_argument("--sums", metavar="FILE|DIR", help="verify: SHA256SUMS, or the deploy directory holding it "
                                                       "(default MODEL/SHA256SUMS)")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
@@ -620,9 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", default="default", metavar="RULES", help="YAML of PromQL comparisons (default: shipped)")
     p.add_argument("--canary-selector", metavar="LABELS", help='label matchers of the canary, e.g. \'job="canary"\'')
     p.add_argument("--baseline-selector", metavar="LABELS", help="label matchers of the baseline")
-    p.add_argument("--interval", type=float, default=60.0, metavar="S", help="seconds between rounds (default 60)")
-    p.add_argument("--count", type=int, default=5, metavar="N", help="rounds (default 5)")
-    p.add_argument("--failure-limit", type=int, default=1, metavar="K", help="failed rounds a rule may have (default 1)")
+    p.add_argument("--interval", type=number(0), default=60.0, metavar="S", help="seconds between rounds (default 60)")
+    p.add_argument("--count", type=POSITIVE, default=5, metavar="N", help="rounds (default 5)")
+    p.add_argument("--failure-limit", type=integer(0), default=1, metavar="K",
+                   help="failed rounds a rule may have (default 1)")
     p.add_argument("--window", metavar="W", help="rate window, e.g. 2m (default: the rules file's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (rounds go to stderr)")
 
@@ -631,16 +647,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so the same cleanup runs."""
+
+
+def _on_sigterm(signum, frame):
+    # `timeout`, a Kubernetes Job and systemd stop a process with SIGTERM, whose default action skips
+    # every cleanup; unwinding instead removes partial outputs exactly as Ctrl-C does. serve
+    # replaces this handler with its own draining one once it is listening.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
+        return exc.code if isinstance(exc.code, int) else 2
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return args.func(args)
     except QuantshipError as exc:
         print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,33 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+
+def check_output_location(out: Path, what: str) -> None:
+    """Fail in one line, before any work, when OUT (a file or directory) could not be written: a
+    parent that is a file, a read-only or pseudo filesystem (/proc), no permission. Probes by
+    creating and removing a directory in OUT's nearest existing ancestor, so nothing is left behind."""
+    from quantship.errors import QuantshipError
+
+    parent = Path(out).absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise QuantshipError(f"cannot write the {what}: {parent} is not a directory", out)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".quantship-probe-", dir=parent))
+    except OSError as exc:
+        raise QuantshipError(f"cannot write the {what} in {parent} ({exc.strerror or exc})", out) from None
+
+
+def file_mode() -> int:
+    """0666 less the umask: what open() gives a new file. Temporary files (mkstemp) and some writers
+    use 0600, which a container running as another user (the pods run as UID 10001) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def publish_directory(tmp: Path, out: Path) -> None:

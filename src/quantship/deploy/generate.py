@@ -15,10 +15,13 @@ so a failure never leaves a half-written DIR.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -26,9 +29,10 @@ from quantship import __version__
 from quantship.deploy import autoscaling, manifests, monitoring, rollout, sizing
 from quantship.deploy.canary import load_rules
 from quantship.deploy.checksums import MANIFEST_FILE, SUMS_FILE, sums_text
+from quantship.deploy.matching import parse_quantity
 from quantship.deploy.model import ModelFacts, read_model
 from quantship.errors import QuantshipError
-from quantship.files import publish_directory
+from quantship.files import check_output_location, publish_directory
 from quantship.models.bundled import resolve_model
 
 
@@ -98,12 +102,37 @@ def dump(objects: list[dict] | dict, header: str = "") -> str:
     return (f"# {header}\n" if header else "") + body
 
 
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_strings(opts: DeployOptions) -> None:
+    """Values copied into the manifests verbatim: refused here in one line, instead of failing our own
+    validation afterwards or, worse, the API server's."""
+    for flag, value in (("--cpu", opts.cpu), ("--memory", opts.memory)):
+        if value is not None and not (parse_quantity(value) or 0) > 0:
+            raise QuantshipError(f"{flag} {value!r} is not a positive Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+    if not _LABEL_VALUE.fullmatch(opts.gpu_type):
+        raise QuantshipError(f"--gpu-type {opts.gpu_type!r} is not a valid label value (63 characters at most: "
+                             "letters, digits, '-', '_', '.'), as nvidia.com/gpu.product needs")
+    if opts.storage_class is not None and not (_DNS_SUBDOMAIN.fullmatch(opts.storage_class)
+                                               and len(opts.storage_class) <= 253):
+        raise QuantshipError(f"--storage-class {opts.storage_class!r} is not a DNS-1123 subdomain (lowercase "
+                             "letters, digits, '-', '.')")
+    if opts.image is not None and (not opts.image or any(c.isspace() for c in opts.image)):
+        raise QuantshipError(f"--image {opts.image!r} is not an image reference")
+    url = urlsplit(opts.prometheus_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise QuantshipError(f"--prometheus-url {opts.prometheus_url!r} is not an http(s) URL")
+
+
 def make_plan(facts: ModelFacts, opts: DeployOptions) -> manifests.Plan:
+    check_strings(opts)
     if opts.engine not in sizing.WARMUP_S:
         raise QuantshipError(f"--engine must be one of {', '.join(sizing.WARMUP_S)}")
     if opts.autoscaler not in ("hpa", "keda"):
         raise QuantshipError("--autoscaler must be hpa or keda")
-    if opts.queue_target < 1 or opts.ttft_slo_s <= 0:
+    if opts.queue_target < 1 or not 0 < opts.ttft_slo_s < math.inf:
         raise QuantshipError("--queue-target must be at least 1 and --ttft-slo positive")
     gpus = opts.gpus if opts.gpus is not None else sizing.gpus_needed(facts.size_bytes, opts.gpu_type,
                                                                       facts.num_attention_heads)
@@ -175,6 +204,7 @@ def generate(model: str | Path, out: str | Path, opts: DeployOptions) -> dict:
     out = Path(out)
     if out.exists() and not opts.overwrite:
         raise QuantshipError("output directory exists (pass --overwrite to replace it)", out)
+    check_output_location(out, "output directory")
     facts = read_model(model, name=opts.name, size_gb=opts.size_gb)
     plan = make_plan(facts, opts)
     files = build(plan, opts, str(out))

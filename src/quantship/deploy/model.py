@@ -150,8 +150,8 @@ def read_model(model: str | Path, name: str | None = None, size_gb: float | None
         size, parameters = estimate_size(config)
         size_source = "estimated from config.json"
     if size_gb is not None:
-        if size_gb <= 0:
-            raise QuantshipError("--size-gb must be positive")
+        if not 0 < size_gb < 1e9:  # also refuses NaN and infinity
+            raise QuantshipError(f"--size-gb must be a positive number of gigabytes, got {size_gb}")
         size, size_source = int(size_gb * 1e9), "--size-gb"
     if name is not None and k8s_name(name) != name:
         raise QuantshipError(f"--name {name!r} is not a DNS-1123 label of at most 40 characters "

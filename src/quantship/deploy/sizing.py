@@ -39,6 +39,7 @@ DEFAULT_LOAD_MBPS = 250.0
 WARMUP_S = {"vllm": 300, "native": 30}
 SAFETY = 1.5
 PERIOD_S = 10
+INT32_MAX = 2**31 - 1  # replica counts are int32 in the Kubernetes API
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class Startup:
 
 
 def startup(size_bytes: int, load_mbps: float, engine: str) -> Startup:
-    if load_mbps <= 0:
-        raise QuantshipError("--load-bandwidth must be positive (MB/s)")
+    if not 0 < load_mbps < math.inf:  # also refuses NaN
+        raise QuantshipError(f"--load-bandwidth must be a positive number of MB/s, got {load_mbps}")
     estimate = math.ceil(size_bytes / (load_mbps * 1e6) + WARMUP_S[engine])
     threshold = math.ceil(SAFETY * estimate / PERIOD_S)
     return Startup(load_estimate_s=estimate, budget_s=threshold * PERIOD_S, failure_threshold=threshold)
@@ -96,7 +97,7 @@ def parse_replicas(text: str) -> tuple[int, int]:
         low, high = (int(x) for x in text.split(":")) if ":" in text else (int(text), int(text))
     except ValueError:
         raise QuantshipError(f"--replicas wants MIN:MAX, got {text!r}") from None
-    if low < 1 or high < low:
-        raise QuantshipError(f"--replicas {text}: need 1 <= MIN <= MAX (a model that takes minutes to load "
-                             "is not scaled to zero)")
+    if low < 1 or high < low or high > INT32_MAX:
+        raise QuantshipError(f"--replicas {text}: need 1 <= MIN <= MAX <= {INT32_MAX} (a model that takes minutes "
+                             "to load is not scaled to zero)")
     return low, high

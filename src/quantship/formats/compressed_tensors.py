@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quantship.files import file_mode
 from quantship.quant.rtn import QuantizedTensor
 from quantship.quant.scheme import Scheme
 
@@ -104,6 +105,7 @@ class ShardWriter:
             return
         path = self.directory / f"shard-{len(self.shards):05d}.tmp"
         save_file(self.pending, str(path), metadata={"format": "pt"})
+        os.chmod(path, file_mode())  # safetensors writes 0600; pods reading the model run as another user
         self.shards.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

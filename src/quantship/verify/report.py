@@ -15,6 +15,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from quantship.files import file_mode
+
 NOT_MEASURED = "not measured"
 
 # llama.cpp's published scale (Llama-3-8B): gives a bare KL number a meaning for the reader.
@@ -410,7 +412,7 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600; a report is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
