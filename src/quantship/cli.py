@@ -34,6 +34,10 @@ def _human_count(n: int) -> str:
 def _describe_quantization(qc: dict | None) -> str:
     if not qc:
         return "none"
+    if qc.get("quant_method") == "fp8":
+        block = "x".join(str(b) for b in qc.get("weight_block_size") or [])
+        return (f"FP8 block source ({qc.get('fmt', 'e4m3')} weights, {block} block scales, "
+                f"{qc.get('activation_scheme', 'dynamic')} activations), dequantized layer by layer when read")
     parts = []
     for group in (qc.get("config_groups") or {}).values():
         w = group.get("weights") or {}

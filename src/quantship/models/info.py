@@ -59,6 +59,10 @@ def model_info(path: Path) -> dict:
                        "moe_layers": sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
                        "scoring": c.scoring_func, "topk_method": c.topk_method,
                        "n_group": c.n_group, "topk_group": c.topk_group}
+    if ck.fp8_source is not None:
+        # Read as-is: every command dequantizes it layer by layer, so no bf16 copy is ever written.
+        info["fp8_block_source"] = {"weight_block_size": list(ck.fp8_source.block),
+                                    "fp8_linears": sum(n.endswith(".weight_scale_inv") for n in ck.files)}
     if ck.path.resolve() == TINY_DIR.resolve():
         info.update({k: str(v) for k, v in bundled_texts().items()})
     return info

@@ -18,6 +18,7 @@ from torch import nn
 from quantship.errors import QuantshipError
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, load_config
+from quantship.models.fp8_block import Fp8Source, dequantize_state, is_fp8_block_source, swap_block_linears
 from quantship.models.quantized import CompressedTensorsReader
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,7 +44,10 @@ class Checkpoint:
             raise QuantshipError("model directory not found", self.path)
         self.config: ModelConfig = load_config(self.path)
         qconfig = self.config.raw.get("quantization_config")
-        self.quantized = CompressedTensorsReader(qconfig, self.path / "config.json") if qconfig else None
+        # A DeepSeek FP8 source is read as the dense model it stands for; compressed-tensors stays quantized.
+        config_path = self.path / "config.json"
+        self.fp8_source = Fp8Source.from_config(qconfig, config_path) if is_fp8_block_source(qconfig) else None
+        self.quantized = CompressedTensorsReader(qconfig, config_path) if qconfig and not self.fp8_source else None
         self.files = self._index()
         self.layer_tensors: dict[int, list[str]] = {}
         for name in self.files:
@@ -126,6 +130,8 @@ class Checkpoint:
                     state[f"mlp.experts.{e}.up_proj.weight"] = up
                 else:
                     state[f"mlp.experts.{e}.down_proj.weight"] = t[e]
+        if self.fp8_source is not None:
+            dequantize_state(state, self.fp8_source.block, prefix, self.files)
         return state
 
     def _fill(self, module: nn.Module, state: dict[str, torch.Tensor], where: str, dtype, device) -> nn.Module:
@@ -149,6 +155,7 @@ class Checkpoint:
             layer = build_layer(self.config, index)
         state = self.layer_state(index)
         if self.quantized is not None:
+            swap_block_linears(self.quantized, layer, f"model.layers.{index}", state)
             self.quantized.swap_into(layer, f"model.layers.{index}", state)
         return self._fill(layer, state, f"model.layers.{index}", dtype, device)
 

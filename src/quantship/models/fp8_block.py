@@ -1,0 +1,165 @@
+"""FP8 weights with one scale per 2-D block: DeepSeek's published checkpoints and FP8_BLOCK outputs.
+
+DeepSeek-V3/V3.1/R1 store each decoder Linear as `weight` (float8 e4m3) and `weight_scale_inv`
+(float32, one per 128x128 block, edge blocks partial): the real weight is the value times its
+block's number ("inverse" because quantizing divided by it). compressed-tensors' FP8_BLOCK is the
+same arithmetic under the name `weight_scale`. The loader turns a DeepSeek source into plain
+Linears one layer at a time (`dequantize_state`); `Fp8BlockLinear` runs an FP8_BLOCK checkpoint
+kept in FP8, quantizing its inputs per token and group of 128 on the fly, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantship.errors import QuantshipError
+
+FP8_MAX = 448.0
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def is_fp8_block_source(qconfig: dict | None) -> bool:
+    return isinstance(qconfig, dict) and qconfig.get("quant_method") == "fp8"
+
+
+@dataclass(frozen=True)
+class Fp8Source:
+    """The `quantization_config` of a DeepSeek FP8 checkpoint, checked."""
+
+    block: tuple[int, int]
+
+    @classmethod
+    def from_config(cls, qconfig: dict, source: Path) -> Fp8Source:
+        def fail(problem: str) -> QuantshipError:
+            return QuantshipError(f"quantization_config (fp8): {problem}", source)
+
+        if qconfig.get("fmt", "e4m3") != "e4m3":
+            raise fail(f"fmt {qconfig.get('fmt')!r} is not supported (only e4m3)")
+        if qconfig.get("activation_scheme", "dynamic") != "dynamic":
+            raise fail(f"activation_scheme {qconfig.get('activation_scheme')!r} is not supported (only dynamic)")
+        block = qconfig.get("weight_block_size")
+        if (not isinstance(block, list) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise fail(f"weight_block_size must be two positive integers, got {block!r}")
+        return cls((block[0], block[1]))
+
+
+def block_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """Scales a [out, in] weight needs: one per block, the edge blocks partial."""
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+def dequantize_blocks(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """values [out, in] (float8) x the scale of each one's block → [out, in] in `dtype`.
+
+    One block row at a time, so the only full-size allocation is the result."""
+    out, inp = values.shape
+    result = torch.empty(out, inp, dtype=dtype, device=values.device)
+    for r in range(scale.shape[0]):
+        rows = slice(r * block[0], min((r + 1) * block[0], out))
+        columns = scale[r].float().repeat_interleave(block[1])[:inp]
+        result[rows] = (values[rows].float() * columns).to(dtype)
+    return result
+
+
+def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int], prefix: str,
+                     files: Mapping[str, Path]) -> None:
+    """Replace every (weight, weight_scale_inv) pair of a layer's state by the float32 weight, in place.
+
+    Names are relative to the layer; `prefix` + name is the checkpoint name, for error messages."""
+    for key in [k for k in state if k.endswith(SCALE_SUFFIX)]:
+        module = key[: -len(SCALE_SUFFIX)]
+        weight_key = module + ".weight"
+        where = files.get(prefix + key, "")
+        if weight_key not in state:
+            raise QuantshipError(f"{prefix}{key} has no {weight_key} beside it", where)
+        values, scale = state.pop(weight_key), state.pop(key)
+        if values.dtype != torch.float8_e4m3fn or values.dim() != 2:
+            raise QuantshipError(f"{prefix}{weight_key} should be a 2-D float8_e4m3fn tensor beside its "
+                                 f"weight_scale_inv, got {values.dtype} {list(values.shape)}", where)
+        expected = block_grid(tuple(values.shape), block)
+        if tuple(scale.shape) != expected:
+            raise QuantshipError(f"{prefix}{key} has shape {list(scale.shape)}; {block[0]}x{block[1]} blocks over "
+                                 f"{list(values.shape)} need {list(expected)}", where)
+        state[weight_key] = dequantize_blocks(values, scale, block)
+    stray = [k for k, t in state.items() if t.dtype == torch.float8_e4m3fn]
+    if stray:
+        raise QuantshipError(f"{prefix}{stray[0]} is float8 without a weight_scale_inv", files.get(prefix + stray[0], ""))
+
+
+def quantize_activations_per_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Dynamic FP8 quantize-dequantize per token and group of `group` input channels (the last may be short)."""
+    width = x.shape[-1]
+    padded = math.ceil(width / group) * group
+    xf = F.pad(x.float(), (0, padded - width)).unflatten(-1, (-1, group))
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.flatten(-2)[..., :width].to(x.dtype)
+
+
+class Fp8BlockLinear(nn.Module):
+    """A Linear stored as FP8 values with per-block float32 scales (compressed-tensors FP8_BLOCK)."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None, activation_group: int | None = 128):
+        super().__init__()
+        self.out_features, self.in_features = values.shape
+        self.block, self.activation_group = block, activation_group
+        self.register_buffer("weight", values)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.weight, self.weight_scale, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_group:
+            x = quantize_activations_per_group(x, self.activation_group)
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) moves these tensors but must not cast them: the values stay float8 and the
+        # scales float32 (as vLLM keeps them); only a bias follows the model dtype.
+        values, scale = self.weight, self.weight_scale
+        super()._apply(fn, recurse)
+        device = self.weight.device
+        self.weight, self.weight_scale = values.to(device), scale.to(device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8 blocks {self.block[0]}x{self.block[1]}"
+
+
+def swap_block_linears(reader, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
+    """Build an Fp8BlockLinear for each Linear of `layer` that a `strategy: block` config group targets.
+
+    `reader` is the checkpoint's CompressedTensorsReader (it resolves targets); the tensors used are
+    consumed from `state` and the new module's own are put back, as the reader's swap_into does."""
+    for name, module in list(layer.named_modules()):
+        if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in state:
+            continue
+        group = reader.scheme_for(f"{prefix}.{name}")
+        weights = (group or {}).get("weights") or {}
+        if weights.get("strategy") != "block":
+            continue
+        structure = weights.get("block_structure") or [128, 128]
+        block = (int(structure[0]), int(structure[1]))
+        values, scale = state.pop(f"{name}.weight"), state.pop(f"{name}.weight_scale")
+        expected = block_grid(tuple(values.shape), block)
+        if values.dtype != torch.float8_e4m3fn or tuple(scale.shape) != expected:
+            raise QuantshipError(f"{prefix}.{name}: FP8 block weights need float8_e4m3fn values and scales of "
+                                 f"shape {list(expected)}, got {values.dtype} and {list(scale.shape)}", reader.source)
+        acts = group.get("input_activations") or {}
+        new = Fp8BlockLinear(values, scale.float(), block, state.pop(f"{name}.bias", None),
+                             activation_group=acts.get("group_size") if acts else None)
+        owner, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(owner) if owner else layer, attr, new)
+        state.update({f"{name}.{k}": v for k, v in new.state_dict().items()})
