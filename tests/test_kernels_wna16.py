@@ -27,14 +27,14 @@ def random_quantized(n, k, bits, group, symmetric, seed):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k", [8, 96, 200, 1000])
 def test_pack_round_trips_and_matches_compressed_tensors(bits, k):
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
     values, _, _ = random_quantized(24, k, bits, k, True, seed=k)
     packed = wna16.pack(values, bits)
     assert packed.dtype == torch.int32 and packed.shape == (-(-k // (32 // bits)), 24)
     assert torch.equal(wna16.unpack(packed, bits, k), values)
     if k % 8 == 0:  # the checkpoint's own packing, transposed: one documented repack at load
-        assert torch.equal(packed.t(), pack_to_int32(values, bits))
+        assert torch.equal(packed.t(), helpers.pack_to_int32(values, bits))
 
 
 CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across the kernel's classes
@@ -48,6 +48,8 @@ CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across
     (8, 128, True, 16, 48, 256),
     (8, 32, False, 2, 56, 96),
     (8, 1000, False, 65, 24, 1000),
+    (4, 64, False, 4, 40, 2048),  # the decode (gemv) class with split K
+    (8, 32, True, 2, 24, 64),
 ]
 
 
@@ -67,7 +69,9 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
         assert error < tolerance, (dtype, error.item())
 
 
-@pytest.mark.parametrize("blocks", [wna16.Blocks(16, 32, 64, 4), wna16.Blocks(32, 16, 32, 1)])
+@pytest.mark.parametrize("blocks", [wna16.Blocks("dot", 16, 32, 64, 4), wna16.Blocks("dot", 32, 16, 32, 1),
+                                    wna16.Blocks("gemv", 1, 32, 64, 3), wna16.Blocks("gemv", 1, 16, 32, 1),
+                                    wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
     packed = wna16.pack(values, 4).to(DEVICE)

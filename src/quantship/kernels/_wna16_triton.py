@@ -1,25 +1,91 @@
-"""The Triton kernel behind kernels.wna16.matmul (imported only when it is launched; layout there)."""
+"""The Triton kernels behind kernels.wna16 (imported only when one is launched; the layout is there).
+
+Three shapes of the same arithmetic, chosen by M (rows of x):
+- wna16_gemv_kernel (decode, M of a few rows): no tensor cores. A word tile [R, BN] is expanded to
+  [R, BN, P] values with the P axis in registers, multiplied by x and reduced over P; the integer to
+  float conversion is the exponent trick (q | 0x4B000000 is the float 2^23 + q), two full-rate
+  instructions instead of a slow I2F. The group's scale and offset apply once per output: the tile
+  sums x*q, and subtracts (offset or zero point) * sum(x).
+- wna16_dot_kernel (mid M): the tile is dequantized the same way, then one tl.dot per K step.
+- dequantize_kernel (prefill): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
+"""
 
 import triton
 import triton.language as tl
 
+MAGIC = 0x4B000000  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
+MAGIC_VALUE = 8388608.0
+
 
 @triton.jit
-def wna16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                 BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_values(w_ptr, rows, offs_n, word_rows, N, shifts, BITS: tl.constexpr):
+    """[R, BN, P] float32 unsigned values of word rows `rows` (0 where out of range)."""
+    mask = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
+    words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return (q | MAGIC).to(tl.float32, bitcast=True) - MAGIC_VALUE
+
+
+@triton.jit
+def _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
+    """What the unsigned stored values are shifted by in this group: 2^(bits-1), plus the zero point."""
+    if HAS_ZERO:
+        zero = tl.load(z_ptr + group * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+        return zero + (1 << (BITS - 1))
+    return tl.zeros_like(offs_n).to(tl.float32) + (1 << (BITS - 1))
+
+
+@triton.jit
+def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PER_WORD: tl.constexpr = 32 // BITS
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    pid_n = tl.program_id(0)
+    row_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    i = tl.arange(0, PER_WORD)
+    shifts = i * BITS
+    word_rows = tl.cdiv(K, PER_WORD)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    shift_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + r[:, None] * PER_WORD + i[None, :]  # [R, P]
+        x = tl.load(x_ptr + row_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, shifts, BITS)
+        group = k0 // group_size  # the whole tile lies in this group
+        scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += tl.sum(q * x[:, None, :], axis=2) * scale[None, :]
+        offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
+        shift_total += offset * scale * tl.sum(x)
+    y = tl.sum(acc, axis=0) - shift_total
+    y_ptrs = y_ptr + row_m * N + offs_n
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, y, mask=offs_n < N)
+    else:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def wna16_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
+                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_in_tile = tl.arange(0, BLOCK_K // PER_WORD)
-    shifts = tl.arange(0, PER_WORD) * BITS
+    r = tl.arange(0, ROWS)
+    i = tl.arange(0, PER_WORD)
+    shifts = i * BITS
     word_rows = tl.cdiv(K, PER_WORD)
     m_ok = offs_m[:, None] < M
-    n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
@@ -27,22 +93,35 @@ def wna16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_si
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok & (offs_k[None, :] < K),
                     other=0.0)
-        rows = k0 // PER_WORD + rows_in_tile
-        words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=(rows[:, None] < word_rows) & n_ok[None, :],
-                        other=0)
-        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-        group = k0 // group_size  # the whole tile lies in this group
-        scale = tl.load(s_ptr + group * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            zero = tl.load(z_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32) + OFFSET
-            w = (q - zero[None, :]).to(x.dtype)
-        else:
-            w = (q - OFFSET).to(x.dtype)
-        acc += tl.dot(x, w, out_dtype=tl.float32) * scale[None, :]
+        q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, shifts, BITS)  # [R, BN, P]
+        group = k0 // group_size
+        offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
+        w = tl.reshape(tl.permute(q - offset[None, :, None], (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32) * scale[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-    mask = m_ok & n_ok[None, :]
+    mask = m_ok & (offs_n[None, :] < N)
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=mask)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    r = tl.arange(0, ROWS)
+    i = tl.arange(0, PER_WORD)
+    q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, i * BITS, BITS)
+    group = k0 // group_size
+    offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
+    scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    w = (q - offset[None, :, None]) * scale[None, :, None]
+    offs_k = k0 + r[:, None, None] * PER_WORD + i[None, None, :]
+    mask = (offs_k < K) & (offs_n[None, :, None] < N)
+    tl.store(out_ptr + offs_k * N + offs_n[None, :, None], w.to(out_ptr.dtype.element_ty), mask=mask)

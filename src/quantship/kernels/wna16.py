@@ -73,20 +73,20 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 @dataclass(frozen=True)
 class Blocks:
+    kind: str  # "gemv" (CUDA cores, one program per row of x), "dot" (tensor cores), "dequantize" (+ cuBLAS)
     block_m: int
     block_n: int
     block_k: int
-    split_k: int  # 0: as many splits as fill the GPU (decode), at most K / (4 * block_k)
+    split_k: int = 1  # 0: as many splits as fill the GPU, at most K / (4 * block_k)
     num_warps: int = 4
     num_stages: int = 3
 
 
-# M class (upper bound) → tiles. Measured on an H200 with benchmarks/kernel_wna16.py (6.7B shapes).
+# M class (upper bound) → kernel and tiles. Measured on an H200 with benchmarks/kernel_wna16.py.
 BLOCKS_BY_M = [
-    (16, Blocks(16, 64, 128, 0, 4, 4)),
-    (64, Blocks(64, 64, 128, 0, 4, 4)),
-    (256, Blocks(64, 128, 64, 1, 4, 3)),
-    (None, Blocks(128, 128, 64, 1, 8, 3)),
+    (4, Blocks("gemv", 1, 64, 128, 0, 4, 3)),
+    (64, Blocks("dot", 16, 64, 128, 0, 4, 3)),
+    (None, Blocks("dequantize", 0, 64, 64, 1, 4, 1)),
 ]
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
 
@@ -96,7 +96,7 @@ def choose_blocks(m: int) -> Blocks:
 
 
 def supports(bits: int, group_size: int, in_features: int) -> bool:
-    """Shapes the kernel takes: 4 or 8 bits, per-channel or groups that a 16-wide tile divides."""
+    """Shapes the kernels take: 4 or 8 bits, per-channel or groups that a 16-wide tile divides."""
     return bits in (4, 8) and (group_size >= in_features or group_size % 16 == 0)
 
 
@@ -111,16 +111,39 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return True
 
 
-def _fit(blocks: Blocks, m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int]:
-    """Block K that stays inside a group, the K range per split and the number of splits."""
+def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
+    """The largest tile depth up to the configured one that stays inside one group."""
     block_k = blocks.block_k
     while group_size < k and group_size % block_k:
         block_k //= 2
-    tiles = -(-n // blocks.block_n) * -(-m // blocks.block_m)
+    return block_k
+
+
+def _splits(blocks: Blocks, tiles: int, k: int, block_k: int) -> tuple[int, int]:
+    """(K range per split, number of splits): enough programs to fill the GPU, at least 4 steps each."""
     steps = -(-k // block_k)
     split = blocks.split_k or max(1, min(TARGET_PROGRAMS // tiles, steps // 4))
     per_split = -(-steps // split) * block_k
-    return block_k, per_split, -(-k // per_split), split
+    return per_split, -(-k // per_split)
+
+
+def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                          in_features: int, group_size: int, dtype: torch.dtype,
+                          blocks: Blocks | None = None) -> torch.Tensor:
+    """The weight transposed, [K, N] in `dtype`, through Triton (one pass: read packed, write dense)."""
+    import triton
+
+    from quantship.kernels._wna16_triton import dequantize_kernel
+
+    blocks = blocks or BLOCKS_BY_M[-1][1]
+    n, k = packed.shape[1], in_features
+    block_k = _block_k(blocks, k, group_size)
+    out = torch.empty(k, n, dtype=dtype, device=packed.device)
+    grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k))
+    dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, group_size, BITS=bits,
+                            HAS_ZERO=zero is not None, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
+                            num_warps=blocks.num_warps)
+    return out
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -128,18 +151,26 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton."""
     import triton
 
-    from quantship.kernels._wna16_triton import wna16_kernel
+    from quantship.kernels import _wna16_triton as kernels
 
     shape = x.shape
     x2 = x.reshape(-1, in_features).contiguous()
     m, n, k = x2.shape[0], packed.shape[1], in_features
     blocks = blocks or choose_blocks(m)
-    block_k, per_split, splits, _ = _fit(blocks, m, n, k, group_size)
-    out = torch.zeros if splits > 1 else torch.empty
-    y = out((m, n), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
-    grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(m, blocks.block_m), splits)
-    wna16_kernel[grid](
-        x2, packed, scale, zero if zero is not None else scale, y, m, n, k, x2.stride(0), group_size, per_split,
-        BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
-        BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    if blocks.kind == "dequantize":
+        w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
+        return torch.mm(x2, w).reshape(*shape[:-1], n)
+    block_k = _block_k(blocks, k, group_size)
+    rows = m if blocks.kind == "gemv" else triton.cdiv(m, blocks.block_m)
+    per_split, splits = _splits(blocks, triton.cdiv(n, blocks.block_n) * rows, k, block_k)
+    y = (torch.zeros if splits > 1 else torch.empty)((m, n), dtype=torch.float32 if splits > 1 else x.dtype,
+                                                      device=x.device)
+    common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, BLOCK_N=blocks.block_n,
+                  BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    grid = (triton.cdiv(n, blocks.block_n), rows, splits)
+    args = (x2, packed, scale, zero if zero is not None else scale, y, m, n, k, x2.stride(0), group_size, per_split)
+    if blocks.kind == "gemv":
+        kernels.wna16_gemv_kernel[grid](*args, **common)
+    else:
+        kernels.wna16_dot_kernel[grid](*args, BLOCK_M=blocks.block_m, **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)
