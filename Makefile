@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-llama-cpp setup clean
 
 # torch is pinned to the CPU build on machines without CUDA; an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -29,6 +29,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# llama.cpp (through llama-cpp-python, compiled from source: ~30 min on 2 cores the first time, then
+# pip's wheel cache) loading our GGUF files; `make test` skips those tests when it is not installed.
+LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-installed
+$(LLAMA_CPP_STAMP): $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+		-DLLAMA_BUILD_SERVER=OFF" $(BIN)/pip install -q -e '.[llama-cpp]'
+	touch $(LLAMA_CPP_STAMP)
+
+test-llama-cpp: $(LLAMA_CPP_STAMP)
+	$(BIN)/python -m pytest -q tests/test_gguf_llama_cpp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -214,6 +214,15 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from quantship.formats.export import ExportRequest, export
+
+    request = ExportRequest(source=args.model, output=args.output, type=args.type, method=args.method,
+                            calib=args.calib, samples=args.samples, seq_len=args.seq_len, overwrite=args.overwrite)
+    print("\n".join(export(args.format, request)))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from quantship.verify.planning import make_plan, write_plan
 
@@ -417,6 +426,12 @@ EXAMPLES = {
         quantship verify /models/DeepSeek-V2-Lite v2lite-awq --report r/ --text heldout.txt --ctx 8192 --device cuda
         quantship verify tiny tiny-w8a16 --report r/ --gate my-gates.yaml --no-sensitivity
     """,
+    "export": """
+        quantship export tiny --format gguf -o tiny-q4km.gguf                 # Q4_K_M, llama.cpp's mix of types
+        quantship export tiny-w4a16-g32 --format gguf -o tiny-q4_0.gguf        # lossless from a W4A16 group-32 checkpoint
+        quantship export tiny --format gguf -o tiny-q4km-gptq.gguf --type Q4_K_M --method gptq
+        quantship verify tiny tiny-q4km.gguf --report reports/q4km            # the file measured like any checkpoint
+    """,
     "plan": """
         quantship plan tiny --budget-bits 5 -o plan.json
         quantship quantize tiny -o tiny-mixed --plan plan.json
@@ -493,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", default="W4A16",
                    help="W4A16 (default), W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC (W3A16/W2A16 only to test gates)")
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"])
-    p.add_argument("--group-size", type=int, choices=[32, 64, 128], help="for W4A16* (default 128)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128],
+                   help="for W4A16* (default 128) and W8A16 (default per channel; 32 = llama.cpp's Q8_0 grid)")
     p.add_argument("--actorder", choices=["static", "group"],
                    help="GPTQ activation order: static (group is refused: current readers dropped g_idx)")
     p.add_argument("--calib", type=Path, help="calibration .txt or .jsonl ({\"text\": ...} per line); "
@@ -524,6 +540,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-generations", action="store_true", help="skip side-by-side generations")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", action="store_true", help="print report.json to stdout")
+
+    from quantship.formats.export import EXPORT_FORMATS
+
+    p = add("export", "Write a model (full precision, or quantized by quantship) in another runtime's format: GGUF "
+                      "for llama.cpp.", cmd_export)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL_OR_QUANT")
+    p.add_argument("--format", required=True, choices=sorted(EXPORT_FORMATS))
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="the file to write (.gguf)")
+    p.add_argument("--type", help="Q4_0, Q4_1, Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16, F16 (default: the lossless type of a "
+                                  "quantized checkpoint, Q4_K_M from full precision)")
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
+                   help="how full-precision weights are rounded onto the type's grid (default rtn)")
+    p.add_argument("--calib", type=Path, help="calibration text for --method gptq (default: the bundled one)")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples for gptq (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
+    p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
 
     p = add("plan", "Choose a scheme per module from measured sensitivity under an average-bits budget.", cmd_plan)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")

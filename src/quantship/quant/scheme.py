@@ -65,9 +65,12 @@ class Scheme:
         return w.num_bits + extra / w.group_size
 
     def with_group_size(self, group_size: int) -> "Scheme":
-        if self.weights.strategy != "group":
-            raise QuantshipError(f"--group-size applies to grouped schemes (W4A16*), not {self.name}")
-        return dataclasses.replace(self, weights=dataclasses.replace(self.weights, group_size=group_size))
+        # W8A16 is per-channel by default; grouped, it is what llama.cpp's Q8_0 blocks hold (group 32).
+        weight_only_int8 = self.name == "W8A16"
+        if self.weights.strategy != "group" and not weight_only_int8:
+            raise QuantshipError(f"--group-size applies to grouped schemes (W4A16*, W8A16), not {self.name}")
+        weights = dataclasses.replace(self.weights, strategy="group", group_size=group_size)
+        return dataclasses.replace(self, weights=weights)
 
     def with_actorder(self, actorder: str | None) -> "Scheme":
         return dataclasses.replace(self, weights=dataclasses.replace(self.weights, actorder=actorder))

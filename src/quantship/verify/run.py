@@ -11,6 +11,7 @@ import torch
 
 from quantship import __version__
 from quantship.errors import QuantshipError
+from quantship.formats.gguf_read import GGUFCheckpoint, open_checkpoint
 from quantship.models.bundled import bundled_texts, resolve_model
 from quantship.models.generate import generate_tokens
 from quantship.models.loader import Checkpoint
@@ -45,7 +46,11 @@ class VerifyOptions:
     bootstrap: int = 1000
 
 
-def _recipe(path: Path) -> dict:
+def _recipe(path: Path, ck) -> dict:
+    if isinstance(ck, GGUFCheckpoint):
+        # Default gates by bits: Q8_0 and the float types are held to W8A16's thresholds, the rest to W4A16's.
+        return {"scheme": f"GGUF {ck.file_type}",
+                "gates_scheme": "W8A16" if ck.file_type in ("Q8_0", "F16", "BF16", "ALL_F32") else "W4A16"}
     file = path / RECIPE_FILE
     return json.loads(file.read_text()) if file.is_file() else {}
 
@@ -68,15 +73,16 @@ def _generations(base, quant, tokenizer, stop, max_new: int) -> list[dict]:
 
 def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, progress=None) -> dict:
     """Compare QUANT with BASE; returns the report dict (gates included when asked for)."""
-    base_path, quant_path = resolve_model(base), resolve_model(quant)
-    base_ck, quant_ck = Checkpoint(base_path), Checkpoint(quant_path)
+    base_path = resolve_model(base)
+    base_ck = Checkpoint(base_path)
+    quant_path, quant_ck = open_checkpoint(quant)  # a model directory or a .gguf file
     if base_ck.config.architecture != quant_ck.config.architecture:
         raise QuantshipError(f"architectures differ: BASE is {base_ck.config.architecture}, QUANT is "
                              f"{quant_ck.config.architecture}", quant_path)
     if base_ck.config.vocab_size != quant_ck.config.vocab_size:
         raise QuantshipError("BASE and QUANT have different vocabularies; compare a model with its own quantization",
                              quant_path)
-    recipe = _recipe(quant_path)
+    recipe = _recipe(quant_path, quant_ck)
     text_path = opts.text or bundled_texts()["eval_text"]
     eval_text = read_text_file(Path(text_path))
     tokenizer = load_tokenizer(base_path)
@@ -127,6 +133,6 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
         report["generations"] = _generations(base_model, quant_model, tokenizer,
                                              eos_ids(tokenizer, base_ck.config.eos_token_id), opts.max_new_tokens)
     if opts.gates:
-        gates_path = default_gates_file(recipe.get("scheme")) if opts.gates == "default" else Path(opts.gates)
+        gates_path = default_gates_file(recipe.get("gates_scheme", recipe.get("scheme"))) if opts.gates == "default" else Path(opts.gates)
         report["gates"] = evaluate_gates(report, parse_gates(gates_path), gates_path)
     return report
