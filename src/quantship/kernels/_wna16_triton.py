@@ -13,8 +13,8 @@ Three shapes of the same arithmetic, chosen by M (rows of x):
 import triton
 import triton.language as tl
 
-MAGIC = 0x4B000000  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
-MAGIC_VALUE = 8388608.0
+MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
+MAGIC_VALUE = tl.constexpr(8388608.0)
 
 
 @triton.jit
