@@ -26,6 +26,21 @@ CONFIGS = {
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rope_theta=100000.0,
                   rope_scaling={"type": "linear", "factor": 4.0}),
+    # R1-Distill-Llama's shape: GQA and Llama 3.1 rope scaling (every wavelength band exercised).
+    "llama3": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=256, rope_theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # R1-Distill-Qwen: q/k/v biases, GQA, tied embeddings as the 1.5B has them untied (both are read).
+    "qwen2": dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rope_theta=10000.0, use_sliding_window=False,
+                  tie_word_embeddings=False),
+    # R1-0528-Qwen3-8B: per-head q/k RMSNorm, head_dim given apart from hidden/heads, no biases.
+    "qwen3": dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=256, rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
 
@@ -42,6 +57,8 @@ def build_reference(name: str, seed: int = 0):
         for name_, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name_:
                 p.add_(torch.randn_like(p) * 0.1)  # norms at 1.0 would hide a missing norm
+            if name_.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.5)  # biases at 0 would hide a missing bias
         for name_, b in model.named_buffers():
             if name_.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.05)

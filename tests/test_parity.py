@@ -27,7 +27,7 @@ def test_logits_match_transformers(reference_dirs, name):
     torch.testing.assert_close(got[:, 64:], expected[:, 64:], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama", "llama3"])
 def test_rope_scaling_is_exercised(reference_dirs, name):
     """Dropping the rope scaling must change the logits, or the parity test above proves nothing about it."""
     from quantship.models.config import RopeConfig
@@ -35,7 +35,7 @@ def test_rope_scaling_is_exercised(reference_dirs, name):
 
     directory, reference = reference_dirs[name]
     ck = Checkpoint(directory)
-    assert ck.config.rope.type in ("yarn", "linear")
+    assert ck.config.rope.type in ("yarn", "linear", "llama3")
     ck.config = dataclasses.replace(ck.config, rope=RopeConfig(theta=ck.config.rope.theta))
     plain = ck.load_model()
     ids = _ids()
@@ -43,7 +43,7 @@ def test_rope_scaling_is_exercised(reference_dirs, name):
         assert (plain(ids) - reference(ids).logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group", "llama"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group", "llama", "qwen2", "qwen3"])
 def test_layers_streamed_one_at_a_time_match_full_forward(reference_dirs, name):
     directory, _ = reference_dirs[name]
     ck = Checkpoint(directory)
@@ -58,7 +58,7 @@ def test_layers_streamed_one_at_a_time_match_full_forward(reference_dirs, name):
         torch.testing.assert_close(streamed, full(ids), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_greedy", "llama"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_greedy", "llama", "qwen2", "qwen3"])
 def test_cached_decoding_matches_full_forward(reference_dirs, name):
     directory, _ = reference_dirs[name]
     model = Checkpoint(directory).load_model()

@@ -6,15 +6,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantship.models.config import LLAMA, ModelConfig
+from quantship.models.config import LLAMA, QWEN2, QWEN3, ModelConfig
 from quantship.models.deepseek import deepseek_layer
 from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm
 from quantship.models.llama import llama_layer
+from quantship.models.qwen import qwen_layer
+
+LAYER_BUILDERS = {LLAMA: llama_layer, QWEN2: qwen_layer, QWEN3: qwen_layer}
 
 
 def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
     """One decoder layer, alone: what the quantizer streams through."""
-    return llama_layer(config, index) if config.architecture == LLAMA else deepseek_layer(config, index)
+    return LAYER_BUILDERS.get(config.architecture, deepseek_layer)(config, index)
 
 
 class Backbone(nn.Module):

@@ -1,7 +1,8 @@
 """ModelConfig: the fields of a real config.json that our model definition needs, validated.
 
-Reads the configs of DeepSeek-V3/R1, DeepSeek-V2/V2-Lite and the Llama-architecture
-DeepSeek-Coder as published, and the `rope_parameters` spelling that transformers 5 writes.
+Reads the configs of DeepSeek-V3/R1, DeepSeek-V2/V2-Lite, the Llama-architecture DeepSeek-Coder and
+R1-Distill-Llama, and the Qwen2/Qwen3 R1 distills as published, and the `rope_parameters` spelling
+that transformers 5 writes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from quantship.errors import QuantshipError
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 LLAMA = "LlamaForCausalLM"
-SUPPORTED_ARCHITECTURES = (DEEPSEEK_V3, DEEPSEEK_V2, LLAMA)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+QWEN2 = "Qwen2ForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+GQA_ARCHITECTURES = (LLAMA, QWEN2, QWEN3)  # full K/V attention, dense MLP: the llama.py path
+SUPPORTED_ARCHITECTURES = (DEEPSEEK_V3, DEEPSEEK_V2, *GQA_ARCHITECTURES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    head_dim: int | None = None  # Llama only
+    head_dim: int | None = None  # Llama and Qwen only
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
@@ -135,8 +141,8 @@ def _rope_from(raw: dict, source: Path) -> RopeConfig:
         factor = raw["max_position_embeddings"] / original
     if factor is None:
         raise QuantshipError(f"rope type {kind!r} needs a 'factor'", source)
-    if kind == "yarn" and not original:
-        raise QuantshipError("yarn rope scaling needs 'original_max_position_embeddings'", source)
+    if kind in ("yarn", "llama3") and not original:
+        raise QuantshipError(f"{kind} rope scaling needs 'original_max_position_embeddings'", source)
     return RopeConfig(
         theta=theta,
         type=kind,
@@ -148,6 +154,8 @@ def _rope_from(raw: dict, source: Path) -> RopeConfig:
         mscale_all_dim=spec.get("mscale_all_dim"),
         attention_factor=spec.get("attention_factor"),
         truncate=bool(spec.get("truncate", True)),
+        low_freq_factor=float(spec.get("low_freq_factor") or 1.0),
+        high_freq_factor=float(spec.get("high_freq_factor") or 4.0),
     )
 
 
@@ -166,10 +174,13 @@ def config_from_dict(raw: dict, source: Path | str = "config.json") -> ModelConf
         raise QuantshipError(
             f"unsupported architecture ({named}); quantship supports {', '.join(SUPPORTED_ARCHITECTURES)}", source
         )
-    required = _REQUIRED + (_MLA_REQUIRED if arch != LLAMA else ())
+    required = _REQUIRED + (_MLA_REQUIRED if arch not in GQA_ARCHITECTURES else ())
     missing = [k for k in required if raw.get(k) is None]
     if missing:
         raise QuantshipError(f"missing field(s) {', '.join(missing)} for {arch}", source)
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+        # The R1 distills ship with use_sliding_window false; windowed layers would need their own mask.
+        raise QuantshipError("sliding-window attention (use_sliding_window) is not supported", source)
     if raw.get("hidden_act", "silu") != "silu":
         raise QuantshipError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)", source)
     known = {f.name for f in fields(ModelConfig)} - {"architecture", "rope", "raw"}

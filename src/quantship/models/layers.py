@@ -30,6 +30,8 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if rope.type == "linear":
         return inv_freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        return llama3_frequencies(inv_freq, rope), 1.0
     if rope.type != "yarn":
         return inv_freq, 1.0
     factor = rope.factor
@@ -55,6 +57,18 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     keep = 1 - ramp
     inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
     return inv_freq, magnitude
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1's scaling (R1-Distill-Llama): long wavelengths slowed by `factor`, short ones kept,
+    the band between low_freq_factor and high_freq_factor blended smoothly."""
+    original = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > original / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+    smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * slowed / rope.factor + smooth * slowed
+    medium = (wavelen >= original / rope.high_freq_factor) & (wavelen <= original / rope.low_freq_factor)
+    return torch.where(medium, blended, slowed)
 
 
 class RotaryEmbedding(nn.Module):

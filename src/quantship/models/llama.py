@@ -1,4 +1,6 @@
-"""Llama architecture (DeepSeek-Coder): grouped-query attention with full K/V."""
+"""Llama architecture (DeepSeek-Coder, R1-Distill-Llama): grouped-query attention with full K/V.
+
+Qwen2/Qwen3 reuse this attention with their two differences switched on (models/qwen.py)."""
 
 from __future__ import annotations
 
@@ -6,21 +8,34 @@ import torch
 from torch import nn
 
 from quantship.models.config import ModelConfig
-from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RotaryEmbedding, attend
+from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
 from quantship.models.paged import PagedBatch
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """qkv_bias/o_bias default to the config's attention_bias (Llama); qk_norm adds a per-head
+    RMSNorm on q and k before rope (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, qkv_bias: bool | None = None, o_bias: bool | None = None,
+                 qk_norm: bool = False):
         super().__init__()
         c = config
+        qkv_bias = c.attention_bias if qkv_bias is None else qkv_bias
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.llama_head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=qkv_bias)
+        o_bias = c.attention_bias if o_bias is None else o_bias
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(c)
         self.scale = c.softmax_scale
+
+    def split_heads(self, projected: torch.Tensor, count: int, norm: RMSNorm | None) -> torch.Tensor:
+        """[..., count * D] → [..., count, D], normalized per head when the model has q/k norms."""
+        t = projected.unflatten(-1, (count, self.head_dim))
+        return t if norm is None else norm(t)
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         """[B, kv_heads, T, D] → [B, heads, T, D]; a no-op (no copy) for plain multi-head attention."""
@@ -35,8 +50,8 @@ class GQAttention(nn.Module):
             return self.forward_paged(x, positions, cache, index)
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
-        q = self.rotary(self.q_proj(x).view(b, t, self.heads, -1).transpose(1, 2), cos, sin)
-        k = self.rotary(self.k_proj(x).view(b, t, self.kv_heads, -1).transpose(1, 2), cos, sin)
+        q = self.rotary(self.split_heads(self.q_proj(x), self.heads, self.q_norm).transpose(1, 2), cos, sin)
+        k = self.rotary(self.split_heads(self.k_proj(x), self.kv_heads, self.k_norm).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, t, self.kv_heads, -1).transpose(1, 2)
         if cache is not None:
             # The cache concatenates along dim 1, so store [B, T, kv_heads, D].
@@ -49,12 +64,9 @@ class GQAttention(nn.Module):
         x = x[0]  # [N, hidden]: the engine packs all sequences into one row
         n = x.shape[0]
         cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
-
-        def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [N, count*D] → [count, N, D]
-            return t.view(n, count, self.head_dim).transpose(0, 1)
-
-        q = self.rotary(heads(self.q_proj(x), self.heads), cos, sin).transpose(0, 1)
-        k = self.rotary(heads(self.k_proj(x), self.kv_heads), cos, sin).transpose(0, 1)
+        q = self.rotary(self.split_heads(self.q_proj(x), self.heads, self.q_norm).transpose(0, 1), cos, sin)
+        k = self.rotary(self.split_heads(self.k_proj(x), self.kv_heads, self.k_norm).transpose(0, 1), cos, sin)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
         batch.write(index, torch.cat((k.reshape(n, -1), self.v_proj(x)), dim=-1))
         context = batch.context(index).to(x.dtype)  # [S, K, 2 * kv_heads * D]
         s, length = context.shape[:2]
