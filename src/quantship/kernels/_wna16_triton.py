@@ -2,11 +2,12 @@
 
 Three shapes of the same arithmetic, chosen by M (rows of x):
 - wna16_gemv_kernel (decode, M of a few rows): no tensor cores. A word tile [R, BN] is expanded to
-  [R, BN, P] values with the P axis in registers, multiplied by x and reduced over P; the integer to
+  [P, R, BN] values with the P axis in registers, multiplied by x and reduced over P; the integer to
   float conversion is the exponent trick (q | 0x4B000000 is the float 2^23 + q), two full-rate
   instructions instead of a slow I2F. The group's scale and offset apply once per output: the tile
   sums x*q, and subtracts (offset or zero point) * sum(x).
-- wna16_dot_kernel (mid M): the tile is dequantized the same way, then one tl.dot per K step.
+- wna16_dot_kernel (mid M): the tile is dequantized the same way (as [BK, BN], words loaded per
+  value from L1), then one tl.dot per K step.
 - dequantize_kernel (prefill): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 """
 
@@ -18,12 +19,29 @@ MAGIC_VALUE = tl.constexpr(8388608.0)
 
 
 @triton.jit
+def _to_float(q):
+    """Small non-negative integers to float32 exactly, in two full-rate instructions (no I2F)."""
+    return (q | MAGIC).to(tl.float32, bitcast=True) - MAGIC_VALUE
+
+
+@triton.jit
 def _tile_values(w_ptr, rows, offs_n, word_rows, N, shifts, BITS: tl.constexpr):
-    """[R, BN, P] float32 unsigned values of word rows `rows` (0 where out of range)."""
+    """[P, R, BN] float32 unsigned values of word rows `rows` (0 where out of range). The word axis
+    P leads, so each thread keeps a word's values in its registers and loads run along N."""
     mask = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
     words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    return (q | MAGIC).to(tl.float32, bitcast=True) - MAGIC_VALUE
+    return _to_float((words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1))
+
+
+@triton.jit
+def _tile_values_2d(w_ptr, offs_k, offs_n, word_rows, N, BITS: tl.constexpr):
+    """[BK, BN] float32 unsigned values; each word is loaded once per value (the repeats hit L1), which
+    keeps the tile 2-D for tl.dot without a reshape."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    rows = offs_k // PER_WORD
+    mask = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
+    words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    return _to_float((words >> ((offs_k[:, None] % PER_WORD) * BITS)) & ((1 << BITS) - 1))
 
 
 @triton.jit
@@ -54,12 +72,12 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + r[:, None] * PER_WORD + i[None, :]  # [R, P]
+        offs_k = k0 + r[None, :] * PER_WORD + i[:, None]  # [P, R]
         x = tl.load(x_ptr + row_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, shifts, BITS)
+        q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, shifts, BITS)  # [P, R, BN]
         group = k0 // group_size  # the whole tile lies in this group
         scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        acc += tl.sum(q * x[:, None, :], axis=2) * scale[None, :]
+        acc += tl.sum(q * x[:, :, None], axis=0) * scale[None, :]
         offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
         shift_total += offset * scale * tl.sum(x)
     y = tl.sum(acc, axis=0) - shift_total
@@ -75,15 +93,11 @@ def wna16_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, grou
                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, ROWS)
-    i = tl.arange(0, PER_WORD)
-    shifts = i * BITS
     word_rows = tl.cdiv(K, PER_WORD)
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -93,10 +107,10 @@ def wna16_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, grou
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok & (offs_k[None, :] < K),
                     other=0.0)
-        q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, shifts, BITS)  # [R, BN, P]
+        q = _tile_values_2d(w_ptr, offs_k, offs_n, word_rows, N, BITS)
         group = k0 // group_size
         offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
-        w = tl.reshape(tl.permute(q - offset[None, :, None], (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        w = q - offset[None, :]
         scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32) * scale[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -117,11 +131,11 @@ def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
     k0 = tl.program_id(1) * BLOCK_K
     r = tl.arange(0, ROWS)
     i = tl.arange(0, PER_WORD)
-    q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, i * BITS, BITS)
+    q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, i * BITS, BITS)  # [P, R, BN]
     group = k0 // group_size
     offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
     scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    w = (q - offset[None, :, None]) * scale[None, :, None]
-    offs_k = k0 + r[:, None, None] * PER_WORD + i[None, None, :]
-    mask = (offs_k < K) & (offs_n[None, :, None] < N)
-    tl.store(out_ptr + offs_k * N + offs_n[None, :, None], w.to(out_ptr.dtype.element_ty), mask=mask)
+    w = (q - offset[None, None, :]) * scale[None, None, :]
+    offs_k = k0 + r[None, :, None] * PER_WORD + i[:, None, None]
+    mask = (offs_k < K) & (offs_n[None, None, :] < N)
+    tl.store(out_ptr + offs_k * N + offs_n[None, None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

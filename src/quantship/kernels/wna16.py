@@ -84,9 +84,9 @@ class Blocks:
 
 # M class (upper bound) → kernel and tiles. Measured on an H200 with benchmarks/kernel_wna16.py.
 BLOCKS_BY_M = [
-    (4, Blocks("gemv", 1, 64, 128, 0, 4, 3)),
-    (64, Blocks("dot", 16, 64, 128, 0, 4, 3)),
-    (None, Blocks("dequantize", 0, 64, 64, 1, 4, 1)),
+    (16, Blocks("dot", 16, 128, 128, 0, 4, 3)),
+    (64, Blocks("dot", 64, 64, 128, 0, 4, 3)),
+    (None, Blocks("dequantize", 0, 128, 128, 1, 4, 1)),
 ]
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
 
