@@ -99,3 +99,16 @@ def test_layers_the_kernel_cannot_take_stay_unpacked():
     assert isinstance(quant_linear(values, scale.t(), bits=4, activations="int"), QuantLinear)  # W8A8-style
     assert isinstance(quant_linear(values, scale.t(), g_idx=torch.arange(96) // 32, bits=4), QuantLinear)
     assert isinstance(quant_linear(values, scale.t(), bits=3), QuantLinear)  # no 3-bit kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode path (tinygemm) and dispatch by M need CUDA")
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_packed_linear_on_cuda_matches_reference_for_every_batch_size(symmetric):
+    values, scale, zero = random_quantized(256, 2048, 4, 128, symmetric, seed=7)
+    layer = quant_linear(values, scale.t().bfloat16(), None if zero is None else zero.t(), bits=4).cuda()
+    for m in (1, 3, 16, 17, 64, 300):
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        expected = wna16.reference_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_zero_point, 4,
+                                          2048, 128)
+        error = (layer(x).float() - expected).norm() / expected.norm()
+        assert error < 1e-2, (m, error.item())

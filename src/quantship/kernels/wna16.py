@@ -146,6 +146,30 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
     return out
 
 
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+TINYGEMM_MAX_M = 16  # measured: faster than the Triton tiles up to here, far slower beyond
+
+
+def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
+                  group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The same int4 weight in PyTorch's own decode kernel's layout (tinygemm, `torch._weight_int4pack_mm`,
+    as gpt-fast and torchao use it), or None where this build or shape cannot take it.
+
+    tinygemm computes (u - 8) * scale + zero from unsigned u = value + 8, so a zero point z becomes
+    the float -z * scale."""
+    if not (packed.is_cuda and hasattr(torch, "_weight_int4pack_mm") and group_size in TINYGEMM_GROUPS
+            and in_features % 1024 == 0 and packed.shape[1] % 8 == 0):
+        return None
+    unsigned = (unpack(packed, 4, in_features).to(torch.int32) + 8).to(torch.uint8)
+    scale = scale.to(torch.bfloat16)
+    offset = torch.zeros_like(scale) if zero is None else -zero.to(torch.bfloat16) * scale
+    try:
+        weight = torch._convert_weight_to_int4pack(unsigned[:, ::2] << 4 | unsigned[:, 1::2], 8)
+    except RuntimeError:  # a layout this PyTorch version does not take: the Triton kernels stay
+        return None
+    return weight, torch.stack([scale, offset], dim=-1).contiguous()
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
            in_features: int, group_size: int, blocks: Blocks | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton."""
