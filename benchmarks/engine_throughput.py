@@ -144,6 +144,19 @@ def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, s
             "teacher_forced_top1_agreement": agree / total}
 
 
+def profile_decode(model, vocab: int) -> None:
+    """Where one eager batch-1 decode step of the W4A16 model spends GPU time (top kernels), for the notes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = model.new_cache()
+    model(torch.randint(3, vocab, (1, 64), device="cuda"), cache=cache)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            model(torch.randint(3, vocab, (1, 1), device="cuda"), cache=cache)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+
+
 def time_ttft(model, hf, prompt_len: int, config) -> dict:
     """Batch-1 time to the first token of a long prompt: the engine's prefill against transformers."""
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len)).tolist()
@@ -184,7 +197,7 @@ def run(where: str, out: Path) -> None:
 
     torch.manual_seed(0)
     hf, ours, name, dtype = load_pair(where)
-    batches, prompt_len, new_tokens = ([1, 8, 32], 32, 64) if where == "cpu" else ([1, 8, 32, 64], 128, 128)
+    batches, prompt_len, new_tokens = ([1, 8, 32], 32, 64) if where == "cpu" else ([1, 16, 64], 128, 128)
     vocab = ours.config.vocab_size
     config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
                           max_model_len=prompt_len + new_tokens + 16, kv_cache_bytes=16 << 30)
@@ -255,6 +268,7 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> d
             print(rows[-1], flush=True)
         ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, hf, 2048, config)}
         print(ttft, flush=True)
+        profile_decode(w4, ours.config.vocab_size)
         agreement = greedy_agreement(w4, w4, ours.config.vocab_size)
         PackedLinear.use_kernel = True
         print(agreement, flush=True)

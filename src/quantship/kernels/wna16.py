@@ -158,7 +158,7 @@ def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     tinygemm computes (u - 8) * scale + zero from unsigned u = value + 8, so a zero point z becomes
     the float -z * scale."""
     if not (packed.is_cuda and hasattr(torch, "_weight_int4pack_mm") and group_size in TINYGEMM_GROUPS
-            and in_features % 1024 == 0 and packed.shape[1] % 8 == 0):
+            and in_features % 128 == 0 and packed.shape[1] % 8 == 0):
         return None
     unsigned = (unpack(packed, 4, in_features).to(torch.int32) + 8).to(torch.uint8)
     scale = scale.to(torch.bfloat16)
