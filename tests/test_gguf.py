@@ -285,3 +285,36 @@ def test_bf16_export_is_the_checkpoint(tmp_path):
     result = export_gguf("tiny", tmp_path / "bf16.gguf", GGUFOptions(type="BF16"))
     assert all(e == 0.0 for e in result.errors.values())
     assert np.isclose(result.bytes / 2**20, 37.2, atol=0.5)
+
+
+# --- GPTQ on the GGUF grids ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K])
+def test_gptq_on_a_gguf_grid_is_packed_as_computed_and_beats_rtn_on_output_error(qtype):
+    from quantship.formats.gguf_gptq import gptq_tensor
+
+    torch.manual_seed(4)
+    n = 512
+    x = torch.randn(2048, n) @ (torch.randn(n, n) * 0.1 + torch.eye(n))  # correlated inputs, as real ones are
+    hessian = x.T @ x
+    w = torch.randn(1, 16, n) * 0.02
+    data = gptq_tensor(w, hessian[None], qtype, dampening=0.01)[0]
+    gptq = torch.from_numpy(quants.dequantize(data, qtype))
+    rtn = B.dequantize(B.quantize(w[0], qtype), qtype)
+
+    def output_error(q):
+        return float(((x @ (q - w[0]).T) ** 2).mean())
+
+    assert output_error(gptq) < 0.9 * output_error(rtn)
+
+
+def test_gptq_export_of_a_llama(plain_llama_dir, tmp_path):
+    result = export_gguf(plain_llama_dir, tmp_path / "g.gguf", GGUFOptions(type="Q4_K_M", method="gptq", **FAST))
+    assert result.method == "gptq" and "quantized here (GPTQ)" in "\n".join(summary_lines(result))
+    rtn = export_gguf(plain_llama_dir, tmp_path / "r.gguf", GGUFOptions(type="Q4_K_M"))
+    assert [p.qtype for p in result.tensors] == [p.qtype for p in rtn.tensors]  # same mix, other rounding
+    ours = GGUFCheckpoint(result.path).load_model()
+    assert all(torch.isfinite(p).all() for p in ours.parameters())
+    with pytest.raises(QuantshipError, match="already quantized"):
+        quantize(plain_llama_dir, tmp_path / "q", QuantizeOptions(group_size=32, **FAST), progress=False)
+        export_gguf(tmp_path / "q", tmp_path / "x.gguf", GGUFOptions(method="gptq"))

@@ -57,10 +57,26 @@ def pack_q4_0(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 
 def pack_q4_1(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> np.ndarray:
     """Asymmetric int4: y = s * (q - z) with q in [-8, 7] equals s * (q + 8) - s * (8 + z)."""
-    u = _blocks(values.to(torch.int16) + 8, 32)
-    offset = -(8 + zero.float()) * scale.float()
-    parts = [_f16_bytes(scale[..., None]), _f16_bytes(offset[..., None]), _nibbles(u).numpy()]
-    return np.concatenate(parts, axis=-1).reshape(*values.shape[:-1], -1)
+    return pack_q4_1_codes(values.to(torch.int16) + 8, scale, -(8 + zero.float()) * scale.float())
+
+
+def pack_q4_1_codes(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> np.ndarray:
+    """codes [.., n] in 0..15, d and m [.., n/32]: y = d * code + m."""
+    u = _blocks(codes.to(torch.int16), 32)
+    parts = [_f16_bytes(d[..., None]), _f16_bytes(m[..., None]), _nibbles(u).numpy()]
+    return np.concatenate(parts, axis=-1).reshape(*codes.shape[:-1], -1)
+
+
+def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> np.ndarray:
+    """Q5_0 (m None: y = d * (code - 16)) or Q5_1 (y = d * code + m), codes [.., n] in 0..31, d/m [.., n/32].
+    Layout: f16 d, [f16 m], 4 bytes holding bit 4 of value j at bit j, then the low nibbles as Q4_0."""
+    u = _blocks(codes.to(torch.int64), 32)
+    high = ((u >> 4) & 1) << torch.arange(32)
+    qh = high.sum(-1).to(torch.int64)
+    qh_bytes = torch.stack([(qh >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8).numpy()
+    parts = [_f16_bytes(d[..., None])] + ([] if m is None else [_f16_bytes(m[..., None])])
+    parts += [qh_bytes, _nibbles(u & 0xF).numpy()]
+    return np.concatenate(parts, axis=-1).reshape(*codes.shape[:-1], -1)
 
 
 def pack_q8_0(values: torch.Tensor, scale: torch.Tensor) -> np.ndarray:

@@ -171,6 +171,23 @@ def kv_b_from_gguf(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1]).contiguous()
 
 
+def ours_from_gguf(specs: list[TensorSpec], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GGUF tensors (by GGUF name, float, GGUF layout) → our parameters (our names and layouts)."""
+    out: dict[str, torch.Tensor] = {}
+    k_b: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        t = tensors[spec.name]
+        if spec.transform == "stack":
+            out.update(zip(spec.sources, t.unbind(0)))
+        elif spec.transform == "k_b":
+            k_b[spec.sources[0]] = t
+        elif spec.transform == "v_b":
+            out[spec.sources[0]] = kv_b_from_gguf(k_b.pop(spec.sources[0]), t)
+        else:
+            out[spec.sources[0]] = rows_from_gguf(spec, t)
+    return out
+
+
 def rows_from_gguf(spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
     """Undo a rope permutation (other specs need no row change back)."""
     if spec.transform in ("rope_q", "rope_k"):

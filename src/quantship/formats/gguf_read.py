@@ -17,7 +17,7 @@ from torch import nn
 
 from quantship.errors import QuantshipError
 from quantship.formats import gguf_blocks as blocks
-from quantship.formats.gguf_layout import TensorSpec, kv_b_from_gguf, rows_from_gguf, tensor_specs
+from quantship.formats.gguf_layout import TensorSpec, ours_from_gguf, tensor_specs
 from quantship.formats.gguf_metadata import config_from_gguf
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, config_from_dict
@@ -102,24 +102,15 @@ class GGUFCheckpoint:
 
     def state_dict(self, layer: int | None) -> dict[str, torch.Tensor]:
         """Our tensors (our names, our layouts) of one decoder layer, or of the outer part for None."""
-        out: dict[str, torch.Tensor] = {}
-        pending_kb: dict[str, torch.Tensor] = {}
-        for spec in self._specs():
-            if spec.layer != layer:
-                continue
+        specs = [s for s in self._specs() if s.layer == layer]
+        tensors = {}
+        for spec in specs:
             t = self.read(spec.name)
             if tuple(t.shape) != spec.shape:
                 raise QuantshipError(f"{spec.name} has shape {list(t.shape)}, the metadata implies {list(spec.shape)}",
                                      self.path)
-            if spec.transform == "stack":
-                out.update(zip(spec.sources, t.unbind(0)))
-            elif spec.transform == "k_b":
-                pending_kb[spec.sources[0]] = t
-            elif spec.transform == "v_b":
-                out[spec.sources[0]] = kv_b_from_gguf(pending_kb.pop(spec.sources[0]), t)
-            else:
-                out[spec.sources[0]] = rows_from_gguf(spec, t)
-        return out
+            tensors[spec.name] = t
+        return ours_from_gguf(specs, tensors)
 
     def load_model(self, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
         layers = []
