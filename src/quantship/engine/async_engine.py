@@ -99,8 +99,9 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 10.0)
         with self._streams_lock:
             left, self._streams = list(self._streams.items()), {}
-        for request_id, stream in left:
-            stream._put(RequestOutput(request_id, finished=True, finish_reason="abort"))
+        for request_id, stream in left:  # the error tells the server to answer 503, not a truncated 200
+            stream._put(RequestOutput(request_id, finished=True, finish_reason="abort",
+                                      error="the server stopped before this request finished"))
 
     # --- requests (event loop side) ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,

@@ -134,10 +134,13 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
 
     async def generate(kind: Kind, body, prompt_ids: list[int], max_tokens: int | None, default_max: int | None,
                        request: Request):
+        prompt_param = "messages" if kind.chat else "prompt"
         if len(prompt_ids) >= max_model_len:
             raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this model's maximum context length is "
-                                f"{max_model_len} tokens.", param="messages" if kind.chat else "prompt",
-                           code="context_length_exceeded")
+                                f"{max_model_len} tokens.", param=prompt_param, code="context_length_exceeded")
+        vocab = engine.model.config.vocab_size
+        if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param=prompt_param)
         params = body.sampling_params(resolve_max_tokens(max_tokens, default_max, len(prompt_ids)), kind.logprobs)
         if not async_engine.accepting:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
@@ -152,8 +155,8 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
                                code="shutting_down") from None
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:  # what only the engine knows, e.g. a prompt larger than the whole KV cache
+            raise APIError(400, str(exc), param=prompt_param) from None
         if body.stream:
             return StreamingResponse(stream_events(kind, stream, tokenizer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

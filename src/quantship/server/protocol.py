@@ -1,13 +1,15 @@
 """The OpenAI request bodies the server accepts, and the one error shape every failure takes.
 
 Models are strict (no "5" for 5) because a client that sends the wrong type should hear so, not
-get a silently coerced answer. Unknown fields are ignored, as OpenAI's and vLLM's servers do, but
-known OpenAI features the engine does not have (n > 1, penalties, echo, tools) are refused by name.
+get a silently coerced answer. Every number is range-checked here, so nothing out of range reaches
+the engine (a seed beyond int64 used to end in an engine error). Unknown fields are ignored, as
+OpenAI's and vLLM's servers do, but known OpenAI and vLLM features the engine does not have (n > 1,
+penalties, echo, tools, response_format, guided decoding, ...) are refused by name.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +33,30 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds for seed and priority; torch's generator takes them
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+# Known fields of features this server does not have, and the values that ask for nothing (None and
+# empty containers always do). Anything else is refused by name rather than answered as if honoured.
+NEUTRAL: dict[str, tuple] = {
+    "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "functions": (),
+    "function_call": ("none", "auto"), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+    "use_beam_search": (False,), "length_penalty": (1,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "include_stop_str_in_output": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "prediction": (), "audio": (), "web_search_options": (),
+    "bad_words": (), "allowed_token_ids": (),
+}
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    if value is None or value == [] or value == {}:
+        return True
+    if isinstance(value, bool):  # bool is an int in Python: JSON true must not pass as the number 1
+        return any(v is value for v in neutral)
+    return any(not isinstance(v, bool) and v == value for v in neutral)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -39,17 +65,17 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields both endpoints share. None means "the default", as OpenAI's SDKs may send null."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # extras are kept only to refuse NEUTRAL's by name
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM extension; -1 and 0 both mean off
-    n: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # vLLM extension; -1 and 0 both mean off
+    n: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension
+    seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM extension
-    priority: int = 0  # vLLM extension: lower values are served first
+    priority: Int64 = 0  # vLLM extension: lower values are served first
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -64,6 +90,9 @@ class _Sampling(BaseModel):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        for name, value in (self.model_extra or {}).items():
+            if name in NEUTRAL and not _is_neutral(value, NEUTRAL[name]):
+                raise APIError(400, f"{name} is not supported by this server (got {str(value)[:80]})", param=name)
 
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -81,10 +110,10 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # None: 16, as OpenAI
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # None: 16, as OpenAI
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -134,8 +163,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # deprecated by OpenAI: max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from quantship.engine.async_engine import RequestStream
+from quantship.engine.async_engine import RequestOutput, RequestStream
 from quantship.server.protocol import APIError
 
 
@@ -64,6 +64,15 @@ def _engine_error(message: str | None) -> APIError:
     return APIError(500, message or "the engine failed", type="internal_server_error", code="engine_error")
 
 
+def _stopped(output: RequestOutput) -> bool:
+    """Aborted by a server that stopped before the request finished (an abort for a client that left has no error)."""
+    return output.finish_reason == "abort" and output.error is not None
+
+
+def _shutting_down(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="shutting_down")
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     # Once the body is read, the next ASGI message is http.disconnect: when the client leaves
     # (or, for a completed response, when the server is done with it).
@@ -97,6 +106,8 @@ async def complete(kind: Kind, stream: RequestStream, request: Request, tokenize
     consumer.result()
     if last is None or last.finish_reason == "error":
         raise _engine_error(last.error if last else None)
+    if _stopped(last):
+        raise _shutting_down(last.error)
     answer = "".join(text)
     lp = logprobs_block(kind, tokenizer, token_ids, logprobs) if kind.logprobs else None
     if kind.chat:
@@ -121,8 +132,9 @@ async def stream_events(kind: Kind, stream: RequestStream, tokenizer) -> AsyncIt
             yield _sse(kind.envelope(kind.object, [first], with_usage=kind.include_usage))
         async for out in stream:
             last = out
-            if out.finish_reason == "error":
-                yield _sse(_engine_error(out.error).body())
+            if out.finish_reason == "error" or _stopped(out):
+                error = _engine_error(out.error) if out.finish_reason == "error" else _shutting_down(out.error)
+                yield _sse(error.body())
                 break
             if not (out.text or out.finished or (kind.logprobs and out.new_token_ids)):
                 continue  # e.g. half of a multi-byte character: the text comes with the next token
@@ -136,7 +148,7 @@ async def stream_events(kind: Kind, stream: RequestStream, tokenizer) -> AsyncIt
             else:
                 choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
             yield _sse(kind.envelope(kind.object, [choice], with_usage=kind.include_usage))
-        if kind.include_usage and last is not None and last.finish_reason != "error":
+        if kind.include_usage and last is not None and last.finish_reason != "error" and not _stopped(last):
             yield _sse(kind.envelope(kind.object, [], usage(last.prompt_tokens, last.completion_tokens)))
         yield _sse("[DONE]")
     finally:

@@ -2,8 +2,9 @@
 
 The port is bound before the model loads, so a taken port fails in a second, not after the load.
 On SIGTERM or SIGINT the server stops taking requests (503, and /ready turns 503 so a load
-balancer stops routing), lets every in-flight request finish, then exits 0. A second signal
-exits at once.
+balancer stops routing), lets every in-flight request finish, then exits 0. A second signal stops
+the engine at once; every unfinished request is still answered properly (a 503 JSON body, or an
+error event closing its stream) before the process exits. A third one exits without waiting.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import socket
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ class ServeOptions:
     device: str | None = None  # default: cuda when available
     served_model_name: str | None = None
     api_key: str | None = None
+    api_key_file: Path | None = None  # keeps the key out of the process list, like $QUANTSHIP_API_KEY
     max_queue: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -65,8 +68,32 @@ def _check(opts: ServeOptions) -> None:
             raise QuantshipError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if opts.request_timeout_s is not None and opts.request_timeout_s <= 0:
         raise QuantshipError(f"--request-timeout must be positive, got {opts.request_timeout_s}")
-    if opts.inject_latency_ms < 0 or not 0 <= opts.inject_error_rate <= 1:
+    if not 0 <= opts.inject_latency_ms < math.inf or not 0 <= opts.inject_error_rate <= 1:
         raise QuantshipError("--inject-latency-ms must be >= 0 and --inject-error-rate in [0, 1]")
+    if opts.api_key_file is not None:
+        opts.api_key = _read_api_key(Path(opts.api_key_file), opts.api_key)
+
+
+def _read_api_key(path: Path, given: str | None) -> str:
+    if given is not None:
+        raise QuantshipError("give the API key once: --api-key-file, or --api-key / $QUANTSHIP_API_KEY")
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuantshipError(f"cannot read the API key ({getattr(exc, 'strerror', None) or exc})", path) from None
+    if not key or any(c.isspace() for c in key):
+        raise QuantshipError("the API key file must hold one key on one line", path)
+    return key
+
+
+def _check_context(path: Path, max_model_len: int | None) -> None:
+    """A longer context than the model was trained for is refused, not clamped behind the user's back."""
+    from quantship.models.config import load_config
+
+    limit = load_config(path).max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise QuantshipError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} tokens "
+                             f"(max_position_embeddings in config.json)", path)
 
 
 def serve(model: str | Path | None, opts: ServeOptions) -> int:
@@ -75,6 +102,7 @@ def serve(model: str | Path | None, opts: ServeOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _check(opts)
     path = resolve_model(model)
+    _check_context(path, opts.max_model_len)
     name = opts.served_model_name or default_model_name(path)
     if opts.engine == "vllm":
         from quantship.server.vllm import exec_vllm, find_vllm, vllm_command
@@ -140,7 +168,7 @@ async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -
     server = DrainingServer(uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=30))
     async_engine.start()
     loop = asyncio.get_running_loop()
-    draining: list[asyncio.Task] = []
+    stages: list[asyncio.Task] = []  # the drain, then the stop
 
     async def drain(sig_name: str) -> None:
         log.info("%s: refusing new requests, draining in-flight ones (up to %.0fs)", sig_name, drain_timeout_s)
@@ -148,12 +176,22 @@ async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -
         log.info("drained; stopping")
         server.should_exit = True
 
+    async def stop_now() -> None:
+        # The engine stops first, so each in-flight handler gets its final output and answers its
+        # client (503 or a closed stream) before uvicorn closes the connections.
+        await async_engine.shutdown(drain=False, timeout=0)
+        server.should_exit = True
+
     def on_signal(sig: signal.Signals) -> None:
-        if draining:  # a second signal: stop now
-            log.warning("%s again: exiting without waiting", sig.name)
+        if not stages:
+            stages.append(loop.create_task(drain(sig.name)))
+        elif len(stages) == 1:
+            log.warning("%s again: stopping now; unfinished requests are answered 503", sig.name)
+            stages[0].cancel()
+            stages.append(loop.create_task(stop_now()))
+        else:
+            log.warning("%s a third time: exiting without waiting", sig.name)
             server.should_exit = server.force_exit = True
-            return
-        draining.append(loop.create_task(drain(sig.name)))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -162,5 +200,5 @@ async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        if not draining:
-            await async_engine.shutdown(drain=False, timeout=0)
+        # Always join the engine thread: exiting while it is inside torch aborts the process.
+        await async_engine.shutdown(drain=False, timeout=0)
