@@ -178,6 +178,24 @@ BROKEN = {
                      "canary/kustomization.yaml: patches[0].target: no HorizontalPodAutoscaler/tiny2"),
     "scale-up per cold start": (lambda o: _edit(o / "base" / "hpa.yaml", "periodSeconds: 60", "periodSeconds: 15"),
                                 "spec.behavior.scaleUp.policies[0].periodSeconds: 15s is shorter than the cold start"),
+    # What the schemas leave unbounded and a cluster would refuse or run badly (deploy/bounds.py).
+    "negative replicas": (lambda o: _edit(o / "base" / "deployment.yaml", "spec:\n  selector:",
+                                          "spec:\n  replicas: -1\n  selector:"),
+                          "base/deployment.yaml: Deployment/tiny: spec.replicas: -1 is negative"),
+    "hpa min 0": (lambda o: _edit(o / "base" / "hpa.yaml", "minReplicas: 1", "minReplicas: 0"),
+                  "base/hpa.yaml: HorizontalPodAutoscaler/tiny: spec.minReplicas: 0 is below 1"),
+    "hpa min > max": (lambda o: _edit(o / "base" / "hpa.yaml", "minReplicas: 1", "minReplicas: 5"),
+                      "spec.minReplicas: 5 is above maxReplicas 4: the range is empty"),
+    "cuda without a GPU": (lambda o: _edit(o / "base" / "deployment.yaml", "- --device\n        - cpu",
+                                           "- --device\n        - cuda"),
+                           "Deployment/tiny: spec.template.spec.containers: the pod expects a GPU (container server "
+                           "runs with --device cuda) but no container has resources.limits.nvidia.com/gpu"),
+    "bad quantity": (lambda o: _edit(o / "base" / "deployment.yaml", "memory: 3Gi", "memory: lots", 2),
+                     "spec.template.spec.containers[0].resources.limits.memory: 'lots' is not a valid quantity"),
+    "drain blocked": (lambda o: _edit(o / "base" / "pdb.yaml", "maxUnavailable: 1", "maxUnavailable: 0"),
+                      "base/pdb.yaml: PodDisruptionBudget/tiny: spec.maxUnavailable: 0 forbids every eviction"),
+    "negative probe period": (lambda o: _edit(o / "base" / "deployment.yaml", "periodSeconds: 10", "periodSeconds: -10"),
+                              "containers[0].startupProbe.periodSeconds: -10 is negative"),
 }
 
 
@@ -196,6 +214,16 @@ def test_broken_variants_fail_with_the_field(case, good_tiny, tmp_path, capsys):
     assert any(expected in p for p in problems), problems
     assert main(["deploy", "validate", str(out)]) == 1
     assert expected in capsys.readouterr().out
+
+
+def test_a_gpu_pod_without_its_gpu_request_and_an_empty_directory_fail(tmp_path, capsys):
+    out = deploy("tiny", tmp_path / "gpu", "--gpus", "1")
+    _edit(out / "base" / "deployment.yaml", "            nvidia.com/gpu: '1'\n", "", 2)  # affinity and toleration stay
+    problems = validate_dir(out).problems
+    assert any("Deployment/tiny: spec.template.spec.containers: the pod expects a GPU" in p for p in problems), problems
+    (tmp_path / "empty").mkdir()
+    assert main(["deploy", "validate", str(tmp_path / "empty")]) == 1
+    assert "no Kubernetes objects found" in capsys.readouterr().out
 
 
 def test_keda_and_rules_errors_point_at_fields(v3, tmp_path):
@@ -335,6 +363,19 @@ def test_verify_passes_fresh_and_fails_on_one_changed_byte(tmp_path, capsys):
     assert "added.json: model file not listed" in capsys.readouterr().out
     assert main(["deploy", "verify", str(model)]) == 2  # no SHA256SUMS next to the model
     assert "no SHA256SUMS" in capsys.readouterr().err
+
+
+def test_verify_warns_on_a_file_added_after_the_deploy_and_strict_fails(tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(TINY_DIR, model)
+    out = deploy(model, tmp_path / "k8s", "--gpus", "0")
+    assert main(["deploy", "verify", str(model), "--sums", str(out), "--strict"]) == 0  # every file was listed
+    (model / "pytorch_model.bin").write_bytes(b"a pickle a loader might prefer")
+    assert main(["deploy", "verify", str(model), "--sums", str(out)]) == 0
+    assert "warn pytorch_model.bin: present but not listed" in capsys.readouterr().out
+    assert main(["deploy", "verify", str(model), "--sums", str(out), "--strict"]) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL pytorch_model.bin: present but not listed" in printed and "verdict: FAIL" in printed
 
 
 def test_verify_checks_the_writer_version(tmp_path, capsys):

@@ -115,6 +115,10 @@ def cmd_generate(args) -> int:
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(args.prompt)["input_ids"]
+    context = ck.config.max_position_embeddings
+    if len(prompt_ids) + args.max_tokens > context:
+        raise QuantshipError(f"--max-tokens {args.max_tokens} and the {len(prompt_ids)}-token prompt exceed the "
+                             f"model's context of {context} tokens (at most {max(context - len(prompt_ids), 0)})")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = ck.load_model(dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
     tokens = generate_tokens(
@@ -254,8 +258,9 @@ def cmd_serve(args) -> int:
 
     return serve(args.model, ServeOptions(
         host=args.host, port=args.port, engine=args.engine, device=args.device, served_model_name=args.served_model_name,
-        api_key=args.api_key, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
+        api_key=args.api_key, api_key_file=args.api_key_file, max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+        prefix_caching=not args.no_prefix_caching,
         inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate,
         request_timeout_s=args.request_timeout))
 
@@ -279,7 +284,7 @@ def cmd_deploy(args) -> int:
     if args.model == "verify":
         from quantship.deploy.checksums import verify
 
-        verdict = verify(args.path or "tiny", args.sums)
+        verdict = verify(args.path or "tiny", args.sums, strict=args.strict)
         print("\n".join(verdict.lines))
         print(f"verdict: {'PASS' if verdict.ok else 'FAIL'}")
         return 0 if verdict.ok else 1
@@ -455,6 +460,7 @@ EXAMPLES = {
         quantship deploy v3-config-only/ -o k8s/ --engine vllm --autoscaler keda --size-gb 360   # config.json only
         quantship deploy validate k8s/                            # exit 1 with file: object: field: problem
         quantship deploy verify /models/v3-w4a16 --sums k8s/      # SHA256SUMS + version check, exit 1 on mismatch
+        quantship deploy verify /models/v3-w4a16 --sums k8s/ --strict   # unlisted extra files fail too
     """,
     "gate": """
         quantship gate canary --prometheus http://127.0.0.1:9090 --canary-selector 'job="canary"' \\
@@ -462,7 +468,7 @@ EXAMPLES = {
         quantship gate canary --prometheus http://prom:9090 --rules my-rules.yaml --json   # 0 promote, 1 roll back, 2 no data
     """,
     "demo": """
-        quantship demo                       # offline, CPU, a few seconds
+        quantship demo                       # offline, CPU: a few minutes (about four on two idle cores)
     """,
 }
 
@@ -553,8 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="how full-precision weights are rounded onto the type's grid (default rtn)")
     p.add_argument("--calib", type=Path, help="calibration text for --method gptq (default: the bundled one)")
-    p.add_argument("--samples", type=int, default=128, help="calibration samples for gptq (default 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
+    p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples for gptq (default 128)")
+    p.add_argument("--seq-len", type=integer(2), default=512, help="tokens per calibration sample (default 512)")
     p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
 
     p = add("plan", "Choose a scheme per module from measured sensitivity under an average-bits budget.", cmd_plan)
@@ -611,7 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--served-model-name", metavar="NAME", help="the API's model id (default: the directory name)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("QUANTSHIP_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUANTSHIP_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUANTSHIP_API_KEY); visible in the "
+                        "process list: prefer the variable or --api-key-file")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (one line)")
     p.add_argument("--max-queue", type=POSITIVE, metavar="N", help="waiting requests beyond N get 429 (default 256)")
     p.add_argument("--max-num-seqs", type=POSITIVE, metavar="N", help="sequences in the running batch (default 64)")
     p.add_argument("--max-model-len", type=POSITIVE, metavar="N",
@@ -662,6 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="p99 TTFT alert threshold (default 2 s)")
     p.add_argument("--sums", metavar="FILE|DIR", help="verify: SHA256SUMS, or the deploy directory holding it "
                                                       "(default MODEL/SHA256SUMS)")
+    p.add_argument("--strict", action="store_true",
+                   help="verify: a file present but not listed in SHA256SUMS fails (default: a warning)")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
 
     p = add("gate", "Compare a canary with its baseline on Prometheus: exit 0 promote, 1 roll back, 2 inconclusive.",
@@ -678,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", metavar="W", help="rate window, e.g. 2m (default: the rules file's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (rounds go to stderr)")
 
-    p = add("demo", "Run every stage that exists on the bundled model, offline, on CPU.", cmd_demo)
+    p = add("demo", "Run every stage that exists on the bundled model, offline, on CPU (a few minutes).", cmd_demo)
     p.add_argument("--workdir", type=Path, help="where to write the demo's checkpoints (default: a temp dir)")
     return parser
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from quantship import __version__
-from quantship.deploy.model import checkpoint_identity, model_files
+from quantship.deploy.model import checkpoint_identity, directory_files, model_files
 from quantship.deploy.versions import compatible
 from quantship.errors import QuantshipError
 from quantship.models.bundled import resolve_model
@@ -60,10 +60,16 @@ def read_sums(path: Path) -> dict[str, str]:
 class Verdict:
     ok: bool = True
     lines: list[str] = field(default_factory=list)
+    strict: bool = False  # warnings fail too
 
     def fail(self, line: str) -> None:
         self.ok = False
         self.lines.append(f"FAIL {line}")
+
+    def warn(self, line: str) -> None:
+        if self.strict:
+            return self.fail(line)
+        self.lines.append(f"warn {line}")
 
     def note(self, line: str) -> None:
         self.lines.append(f"ok   {line}")
@@ -74,12 +80,16 @@ def _check_files(model_dir: Path, sums_path: Path, verdict: Verdict) -> None:
     changed = [n for n, d in listed.items() if (model_dir / n).is_file() and sha256_file(model_dir / n) != d]
     missing = [n for n in listed if not (model_dir / n).is_file()]
     unlisted = [n for n in model_files(model_dir) if n not in listed]
+    # Any other file may be harmless (a README), or something a loader picks up (a pickle): say so.
+    extra = [n for n in directory_files(model_dir) if n not in listed and n not in unlisted]
     for name in changed:
         verdict.fail(f"{name}: SHA-256 differs from {sums_path}")
     for name in missing:
         verdict.fail(f"{name}: listed in {sums_path} but missing")
     for name in unlisted:
         verdict.fail(f"{name}: model file not listed in {sums_path}")
+    for name in extra:
+        verdict.warn(f"{name}: present but not listed in {sums_path}" + ("" if verdict.strict else " (--strict fails)"))
     if not (changed or missing or unlisted):
         verdict.note(f"{len(listed)} files match {sums_path}")
 
@@ -96,7 +106,8 @@ def _check_manifest(fmt: str, writer: str | None, manifest_path: Path, verdict: 
     verdict.note(f"checkpoint format {fmt} as recorded in {manifest_path}")
 
 
-def verify(model: str | Path, sums: str | Path | None = None, code_version: str = __version__) -> Verdict:
+def verify(model: str | Path, sums: str | Path | None = None, code_version: str = __version__,
+           strict: bool = False) -> Verdict:
     model_dir = resolve_model(model)
     sums_path = Path(sums) if sums else model_dir / SUMS_FILE
     if sums_path.is_dir():
@@ -105,7 +116,7 @@ def verify(model: str | Path, sums: str | Path | None = None, code_version: str 
         raise QuantshipError(f"no {SUMS_FILE} (write one with `quantship deploy MODEL -o DIR`, then --sums DIR)",
                              sums_path)
     fmt, writer = checkpoint_identity(model_dir)
-    verdict = Verdict()
+    verdict = Verdict(strict=strict)
     _check_files(model_dir, sums_path, verdict)
     manifest_path = sums_path.parent / MANIFEST_FILE
     if manifest_path.is_file():

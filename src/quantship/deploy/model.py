@@ -37,7 +37,7 @@ class ModelFacts:
     quant_method: str | None  # "compressed-tensors", "fp8", ... or None for the original dtype
     quant_format: str | None  # e.g. "pack-quantized"
     writer_version: str | None  # quantship version that wrote the checkpoint (its recipe), if any
-    files: list[str] = field(default_factory=list)  # relative paths covered by SHA256SUMS
+    files: list[str] = field(default_factory=list)  # relative paths covered by SHA256SUMS: the whole directory
 
     @property
     def checkpoint_format(self) -> str:
@@ -73,6 +73,14 @@ def k8s_name(text: str) -> str:
 def model_files(path: Path) -> list[str]:
     found = {p for pattern in MODEL_FILE_PATTERNS for p in path.glob(pattern) if p.is_file()}
     return sorted(p.relative_to(path).as_posix() for p in found)
+
+
+def directory_files(path: Path) -> list[str]:
+    """Every file SHA256SUMS covers: all of the directory but hidden entries (.git, .cache) and the
+    sums themselves, so a file added after the deploy (a pickle a loader might prefer) shows up."""
+    found = [p.relative_to(path) for p in path.rglob("*") if p.is_file()]
+    return sorted(p.as_posix() for p in found if not any(part.startswith(".") for part in p.parts)
+                  and p.as_posix() not in ("SHA256SUMS", "quantship-manifest.json"))
 
 
 def has_weights(path: Path) -> bool:
@@ -169,5 +177,5 @@ def read_model(model: str | Path, name: str | None = None, size_gb: float | None
         quant_method=qconfig.get("quant_method"),
         quant_format=qconfig.get("format"),
         writer_version=_writer_version(path),
-        files=model_files(path),
+        files=directory_files(path),
     )

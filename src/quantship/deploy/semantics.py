@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from quantship.deploy.bounds import check_bounds
 from quantship.deploy.kustomize import Doc
 from quantship.deploy.manifests import ANNOTATION
 from quantship.deploy.matching import adapter_metrics, parse_quantity, selects
@@ -54,6 +55,7 @@ class Checker:
                      "HorizontalPodAutoscaler": self.check_hpa, "ScaledObject": self.check_scaled_object}.get(doc.kind)
             if check:
                 check(doc)
+        check_bounds(self)
         return self.problems
 
     def check_workload(self, doc: Doc, template: dict) -> None:

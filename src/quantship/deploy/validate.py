@@ -191,6 +191,8 @@ def validate_dir(directory: str | Path) -> Report:
                    and not any(part.startswith(".") for part in p.relative_to(root).parts))
     report.files = len(files)
     everything = [doc for path in files for doc in loader(path)]
+    if not everything:  # "0 objects ... valid" would wave an empty or mistyped directory through
+        report.add(f"{root}: no Kubernetes objects found ({len(files)} YAML file(s) read)")
     for doc in everything:
         report.objects += 1
         report.kinds[doc.kind] = report.kinds.get(doc.kind, 0) + 1
