@@ -1,0 +1,103 @@
+"""llama.cpp itself (llama-cpp-python, built from source by `make test-llama-cpp`) on our GGUF files:
+it loads the deepseek2 and llama files, tokenizes like us, its logits on held-out text agree with
+our model of the same file, it generates the same greedy tokens, and its own quantizer picks the
+same type for every tensor as our transcription of its rules.
+
+llama.cpp's CPU kernels for quantized types quantize the activations to 8 bits too (Q8_0 / Q8_K
+dot products), so on those files its logits differ from the dequantized model by that rounding:
+the KL bound is small but not zero; on F16 files the two are the same model.
+"""
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from quantship.formats.gguf import GGUFOptions, export_gguf
+from quantship.formats.gguf_read import GGUFCheckpoint
+from quantship.models.bundled import TINY_DIR
+from quantship.models.generate import generate_tokens
+from quantship.models.tokenizer import load_tokenizer
+from quantship.quant.pipeline import QuantizeOptions, quantize
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is installed by `make test-llama-cpp`")
+
+
+def _llama(path):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=2, seed=0)
+
+
+def _eval_ids(n: int = 256) -> list[int]:
+    text = (TINY_DIR / "eval.txt").read_text(encoding="utf-8")[:4000]
+    return load_tokenizer(TINY_DIR)(text, add_special_tokens=False)["input_ids"][:n]
+
+
+def _compare(path) -> dict:
+    ids = _eval_ids()
+    llm = _llama(path)
+    llm.reset()
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    model = GGUFCheckpoint(path).load_model()
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0]
+    lp, lq = ours.log_softmax(-1), theirs.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    prompt = load_tokenizer(TINY_DIR)("def fibonacci(n):")["input_ids"]
+    ours_greedy = list(generate_tokens(model, prompt, 32))
+    theirs_greedy = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        theirs_greedy.append(token)
+        if len(theirs_greedy) == 32:
+            break
+    return {"kl": float(kl.mean()), "top1": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+            "greedy_same": ours_greedy == theirs_greedy, "llm": llm}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_cpp")
+    quantize("tiny", root / "w4g32", QuantizeOptions(scheme="W4A16", group_size=32, samples=8, seq_len=128),
+             progress=False)
+    return {"f16": export_gguf("tiny", root / "tiny-f16.gguf", GGUFOptions(type="F16")).path,
+            "q4_0": export_gguf(root / "w4g32", root / "tiny-q4_0.gguf", GGUFOptions()).path,
+            "q4_k_m": export_gguf("tiny", root / "tiny-q4_k_m.gguf", GGUFOptions(type="Q4_K_M")).path}
+
+
+def test_llama_cpp_runs_our_deepseek2_f16_as_the_same_model(files):
+    r = _compare(files["f16"])
+    assert r["kl"] < 1e-4 and r["top1"] == 1.0 and r["greedy_same"]
+    text = (TINY_DIR / "eval.txt").read_text(encoding="utf-8")[:4000]
+    assert r["llm"].tokenize(text.encode(), add_bos=False)[:256] == _eval_ids()  # the same tokenizer
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k_m"])
+def test_llama_cpp_runs_our_quantized_deepseek2(files, name):
+    r = _compare(files[name])
+    assert r["kl"] < 0.01 and r["top1"] > 0.95 and r["greedy_same"]
+
+
+def test_llama_cpp_runs_our_llama(llama_dir, tmp_path):
+    for qtype, bound in (("F16", 1e-4), ("Q8_0", 1e-3)):
+        r = _compare(export_gguf(llama_dir, tmp_path / f"{qtype}.gguf", GGUFOptions(type=qtype)).path)
+        assert r["kl"] < bound, qtype
+
+
+def _llama_cpp_quantize(src, dst, file_type: str) -> None:
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(getattr(gguf.LlamaFileType, f"MOSTLY_{file_type}"))
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+
+
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0"])
+def test_our_type_mix_is_llama_cpps(files, llama_dir, tmp_path, file_type):
+    for name, source, f16 in (("tiny", "tiny", files["f16"]), ("llama", llama_dir, None)):
+        if f16 is None:
+            f16 = export_gguf(source, tmp_path / f"{name}-f16.gguf", GGUFOptions(type="F16")).path
+        _llama_cpp_quantize(f16, tmp_path / f"{name}-theirs.gguf", file_type)
+        ours = export_gguf(source, tmp_path / f"{name}-ours.gguf", GGUFOptions(type=file_type))
+        theirs = GGUFCheckpoint(tmp_path / f"{name}-theirs.gguf").types()
+        assert GGUFCheckpoint(ours.path).types() == theirs, name
