@@ -276,6 +276,29 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> d
             "ttft": ttft, "agreement": agreement}
 
 
+def quick(out: Path) -> None:
+    """W4A16 against bf16 in the engine only (batch 1 and 16, 64 tokens): a short check between full runs."""
+    torch.manual_seed(0)
+    hf, ours, _, _ = load_pair("gpu")
+    del hf
+    w4 = quantized_copy(ours)
+    from quantship.engine.config import EngineConfig
+
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=16 * 128, max_model_len=256, kv_cache_bytes=8 << 30)
+    rows = []
+    with torch.inference_mode():
+        for batch in (1, 16):
+            prompts = torch.randint(3, ours.config.vocab_size, (batch, 128)).tolist()
+            time_engine(w4, prompts, 4, config)
+            time_engine(ours, prompts, 4, config)
+            runs = [(time_engine(w4, prompts, 64, config), time_engine(ours, prompts, 64, config)) for _ in range(2)]
+            t_w4, t_bf16 = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            rows.append({"batch": batch, "w4a16_tok_s": batch * 64 / t_w4, "bf16_tok_s": batch * 64 / t_bf16})
+            print(rows[-1], flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_quick_gpu.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
 def kv_table() -> str:
     from quantship.models.paged import cache_width, full_kv_width
     from quantship.models.bundled import TINY_DIR
@@ -333,8 +356,11 @@ def main() -> None:
     p.add_argument("--where", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--out", type=Path, default=RESULTS)
     sub.add_parser("render")
+    sub.add_parser("quick").add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    if args.cmd == "run":
+    if args.cmd == "quick":
+        quick(args.out)
+    elif args.cmd == "run":
         run(args.where, args.out)
         if args.out == RESULTS:
             render()

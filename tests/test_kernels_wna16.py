@@ -106,6 +106,8 @@ def test_layers_the_kernel_cannot_take_stay_unpacked():
 def test_packed_linear_on_cuda_matches_reference_for_every_batch_size(symmetric):
     values, scale, zero = random_quantized(256, 2048, 4, 128, symmetric, seed=7)
     layer = quant_linear(values, scale.t().bfloat16(), None if zero is None else zero.t(), bits=4).cuda()
+    if hasattr(torch, "_weight_int4pack_mm"):  # PyTorch's decode kernel must take this layer, not fall back
+        assert layer.decode_weights() is not None
     for m in (1, 3, 16, 17, 64, 300):
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         expected = wna16.reference_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_zero_point, 4,

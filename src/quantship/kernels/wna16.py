@@ -164,7 +164,7 @@ def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     scale = scale.to(torch.bfloat16)
     offset = torch.zeros_like(scale) if zero is None else -zero.to(torch.bfloat16) * scale
     try:
-        weight = torch._convert_weight_to_int4pack(unsigned[:, ::2] << 4 | unsigned[:, 1::2], 8)
+        weight = torch._convert_weight_to_int4pack((unsigned[:, ::2] << 4 | unsigned[:, 1::2]).contiguous(), 8)
     except RuntimeError:  # a layout this PyTorch version does not take: the Triton kernels stay
         return None
     return weight, torch.stack([scale, offset], dim=-1).contiguous()
