@@ -3,9 +3,10 @@
 An eager decode step of a 6.7B model spends ~45 ms of host time launching ~7 ms of GPU work. A graph
 is captured per (batch size bucket, key length bucket) the first time that shape is needed; a step
 pads its sequences up to the bucket with dummy rows that write into a scratch block no sequence
-owns, and pads the key axis (masked). Only decode-only steps of models without routed experts are
-graphed: expert routing picks its kernels from data on the host (bincount → .tolist()), which a
-graph cannot replay. Everything else runs eagerly, as on CPU.
+owns, and pads the key axis (masked). Only decode-only steps are graphed, and MoE models only where
+every MoE layer takes the fused kernels (kernels/fused_moe.py: routing stays on the device); the
+host loop over quantized experts reads counts on the host, which a graph cannot replay. Everything
+else runs eagerly, as on CPU.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model: CausalLM) -> bool:
-        c = model.config
-        has_experts = any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)) if c.n_routed_experts else False
-        return next(model.parameters()).is_cuda and not has_experts
+        moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "fusable")]
+        return next(model.parameters()).is_cuda and all(m.fusable() for m in moe)
 
     def fits(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         decode_only = all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in scheduled)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quantship.engine.cuda_graphs import DecodeGraphs
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
 from quantship.models.paged import PagedBatch, cache_width
+
+log = logging.getLogger("quantship.engine")
 
 
 class ModelRunner:
@@ -29,7 +33,11 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the scheduled tokens; logits [S', V] for the sequences whose chunk reached their end."""
         if self.graphs is not None and self.graphs.fits(scheduled):
-            return [seq for seq, _ in scheduled], self.graphs.run(scheduled)
+            try:
+                return [seq for seq, _ in scheduled], self.graphs.run(scheduled)
+            except RuntimeError as error:  # a model whose step cannot be captured serves eagerly instead
+                log.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(error).splitlines()[0])
+                self.graphs = None
         starts = [seq.num_computed for seq, _ in scheduled]
         counts = [count for _, count in scheduled]
         ids = [t for (seq, count), start in zip(scheduled, starts) for t in seq.token_ids[start:start + count]]

@@ -153,6 +153,10 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def routed(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if flat.is_cuda and self.fusable():
+            from quantship.kernels.fused_moe import fused_moe
+
+            return fused_moe(flat, *self.stacked_weights(), weights, indices)
         out = torch.zeros_like(flat)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
@@ -162,6 +166,25 @@ class MoE(nn.Module):
             y = self.experts[e](flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+    def fusable(self) -> bool:
+        """The fused kernels take plain (unquantized, bias-free) expert Linears; others keep the loop."""
+        linears = [m for e in self.experts for m in (e.gate_proj, e.up_proj, e.down_proj)]
+        return all(type(m) is nn.Linear and m.bias is None for m in linears)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights as gate_up [E, 2I, H] and down [E, H, I], made once. Each expert's Linears
+        then hold views into them, so the stacking costs no memory beyond one layer while it runs."""
+        if getattr(self, "_stacked", None) is None:
+            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            down = torch.stack([e.down_proj.weight for e in self.experts])
+            inter = down.shape[2]
+            for i, e in enumerate(self.experts):
+                e.gate_proj.weight.data, e.up_proj.weight.data = gate_up[i, :inter], gate_up[i, inter:]
+                e.down_proj.weight.data = down[i]
+            self._stacked = (gate_up, down)
+        return self._stacked
 
 
 def deepseek_layer(config: ModelConfig, index: int) -> DecoderLayer:
