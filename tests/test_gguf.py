@@ -249,9 +249,18 @@ def plain_llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
 def test_transformers_loads_our_llama_gguf(plain_llama_dir, tmp_path, qtype):
+    _transformers_matches_ours(plain_llama_dir, tmp_path, qtype)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_transformers_loads_our_qwen_gguf(distills, tmp_path, kind):
+    _transformers_matches_ours(distills[kind], tmp_path, "Q8_0")
+
+
+def _transformers_matches_ours(source, tmp_path, qtype):
     from transformers import AutoModelForCausalLM
 
-    export_gguf(plain_llama_dir, tmp_path / "m.gguf", GGUFOptions(type=qtype))
+    export_gguf(source, tmp_path / "m.gguf", GGUFOptions(type=qtype))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     ours = GGUFCheckpoint(tmp_path / "m.gguf").load_model()
     ids = torch.randint(0, 8192, (1, 48), generator=torch.Generator().manual_seed(0))
@@ -318,3 +327,48 @@ def test_gptq_export_of_a_llama(plain_llama_dir, tmp_path):
     with pytest.raises(QuantshipError, match="already quantized"):
         quantize(plain_llama_dir, tmp_path / "q", QuantizeOptions(group_size=32, **FAST), progress=False)
         export_gguf(tmp_path / "q", tmp_path / "x.gguf", GGUFOptions(method="gptq"))
+
+
+# --- the R1 distills' architectures: qwen2, qwen3, llama with llama3 rope ------------------------
+
+@pytest.fixture(scope="module")
+def distills(tmp_path_factory):
+    """Small Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied embeddings) and Llama-3.1-rope models
+    with the bundled tokenizer, from a fixed seed."""
+    import shutil
+
+    from test_qwen import _save_qwen
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantship.models.bundled import TINY_DIR
+
+    out = {kind: _save_qwen(kind, tmp_path_factory.mktemp(kind)) for kind in ("qwen2", "qwen3")}
+    d = tmp_path_factory.mktemp("llama3")
+    config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=1024, rope_theta=500000.0,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_DIR / name, d / name)
+    out["llama3"] = d
+    return out
+
+
+@pytest.mark.parametrize("kind,arch,marker", [("qwen2", "qwen2", "blk.0.attn_q.bias"),
+                                              ("qwen3", "qwen3", "blk.0.attn_q_norm.weight"),
+                                              ("llama3", "llama", "rope_freqs.weight")])
+def test_distill_architectures_round_trip(distills, tmp_path, kind, arch, marker):
+    result = export_gguf(distills[kind], tmp_path / "m.gguf", GGUFOptions(type="F16"))
+    g = GGUFCheckpoint(result.path)
+    assert result.arch == arch and marker in g.tensors and g.types()[marker] == "F32"
+    assert ("output.weight" in g.tensors) == (kind != "qwen3")  # qwen3 here ties its embeddings
+    base = Checkpoint(distills[kind])
+    for key in ("architecture", "num_key_value_heads", "llama_head_dim", "tie_word_embeddings", "rope"):
+        assert getattr(g.config, key) == getattr(base.config, key), key
+    ids = torch.randint(0, 8192, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        p, q = base.load_model()(ids).log_softmax(-1), g.load_model()(ids).log_softmax(-1)
+    assert float((p.exp() * (p - q)).sum(-1).mean()) < 1e-4  # F16 weights: only their rounding differs

@@ -27,7 +27,8 @@ from gguf import GGMLQuantizationType as T
 
 from quantship.errors import QuantshipError
 from quantship.formats import gguf_blocks as blocks
-from quantship.formats.gguf_layout import TensorSpec, forward_rows, gguf_arch, tensor_specs, to_gguf_layout
+from quantship.formats.gguf_layout import (ROPE_FREQS, TensorSpec, forward_rows, gguf_arch, model_params,
+                                           rope_freq_factors, tensor_specs, to_gguf_layout)
 from quantship.formats.gguf_metadata import add_metadata
 from quantship.formats.gguf_mix import FILE_TYPES, ModelShape, choose_types
 from quantship.formats.gguf_vocab import add_tokenizer
@@ -84,7 +85,7 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
     file_type = opts.type.upper().replace("-", "_") if opts.type else _default_type(ck, linears)
     if file_type not in FILE_TYPES:
         raise QuantshipError(f"unknown GGUF type {opts.type!r}; choose one of {', '.join(FILE_TYPES)}")
-    specs = tensor_specs(ck.config, {name: shape for name, (shape, _) in linears.items()})
+    specs = tensor_specs(ck.config, model_params(ck.config))
     plan = _plan(ck, specs, linears, file_type)
 
     tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
@@ -260,7 +261,10 @@ def _unpack(ck: Checkpoint, module: str, state: dict[str, torch.Tensor]) -> Stor
 
 def source_layers(ck: Checkpoint):
     """(layer index or None for the outer tensors, {our full name: float tensor or StoredQuant})."""
-    yield None, {k: v.float() for k, v in ck.outer_state().items()}
+    outer = {k: v.float() for k, v in ck.outer_state().items()}
+    if ck.config.rope.type == "llama3":
+        outer[ROPE_FREQS] = rope_freq_factors(ck.config)
+    yield None, outer
     for i in range(ck.config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         state = ck.layer_state(i)

@@ -5,8 +5,9 @@ llama.cpp expects, each a pure function with its inverse:
 - deepseek2: kv_b_proj [H·(nope+v), rank] is split per head into attn_k_b [H, rank, nope]
   (transposed, for the absorbed MLA) and attn_v_b [H, v, rank]; routed experts are stacked into
   ffn_{gate,up,down}_exps [E, out, in]; the router's score-correction bias is exp_probs_b.bias.
-- llama: q_proj and k_proj rows are permuted per head from Hugging Face's rotate-half layout to
-  the interleaved pairs llama.cpp's rope rotates.
+- llama: q_proj and k_proj rows (and biases) are permuted per head from Hugging Face's rotate-half
+  layout to the interleaved pairs llama.cpp's llama rope rotates (qwen2/qwen3 rotate halves: kept);
+  llama3 rope scaling becomes rope_freqs.weight, the per-frequency divisors llama.cpp applies.
 Row-only changes (split, permute, stack) apply equally to a weight, its scales and zero points, so
 quantized integers keep their grid; the transpose of attn_k_b is the one change that breaks it.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from quantship.models.config import ModelConfig
+from quantship.models.config import QWEN2, QWEN3, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,15 @@ class TensorSpec:
         return int(self.name.split(".")[1]) if self.name.startswith("blk.") else None
 
 
+ARCHES = {QWEN2: "qwen2", QWEN3: "qwen3"}  # others: deepseek2 (MLA) or llama
+
+
 def gguf_arch(config: ModelConfig) -> str:
-    return "deepseek2" if config.is_mla else "llama"
+    return "deepseek2" if config.is_mla else ARCHES.get(config.architecture, "llama")
 
 
 def _namer(config: ModelConfig):
-    arch = gguf.MODEL_ARCH.DEEPSEEK2 if config.is_mla else gguf.MODEL_ARCH.LLAMA
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == gguf_arch(config))
     table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
 
     def name(ours: str) -> str:
@@ -55,64 +59,100 @@ def _namer(config: ModelConfig):
     return name
 
 
-def tensor_specs(config: ModelConfig, linear_shapes: dict[str, tuple[int, int]]) -> list[TensorSpec]:
-    """Every GGUF tensor in file order. linear_shapes: our Linear weight name → [out, in] (from the model)."""
+def tensor_specs(config: ModelConfig, params: dict[str, tuple[int, ...]]) -> list[TensorSpec]:
+    """Every GGUF tensor in file order. params: every parameter and buffer of our model → its shape."""
     c = config
     name = _namer(c)
     specs = [TensorSpec("token_embd.weight", (c.vocab_size, c.hidden_size), ("model.embed_tokens.weight",)),
              TensorSpec("output_norm.weight", (c.hidden_size,), ("model.norm.weight",))]
     if not c.tie_word_embeddings:
         specs.append(TensorSpec("output.weight", (c.vocab_size, c.hidden_size), ("lm_head.weight",)))
+    if c.rope.type == "llama3":  # llama.cpp divides each rope frequency by these factors
+        specs.append(TensorSpec(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", (c.rope_dim // 2,),
+                                (ROPE_FREQS,)))
     for i in range(c.num_hidden_layers):
-        specs += _layer_specs(c, i, name, linear_shapes)
+        specs += _mla_specs(c, i, name, params) if c.is_mla else _gqa_specs(c, i, name, params)
     return specs
 
 
-def _layer_specs(c: ModelConfig, i: int, name, linear_shapes) -> list[TensorSpec]:
-    p = f"model.layers.{i}."
-    out: list[TensorSpec] = []
+ROPE_FREQS = "rope_freqs"  # a source computed from the config, not a parameter
 
-    def plain(ours: str, transform: str = "", heads: int = 0) -> None:
-        shape = linear_shapes.get(p + ours) or ((c.hidden_size,) if "norm" in ours else None)
-        if shape is None:
-            raise KeyError(p + ours)
-        out.append(TensorSpec(name(p + ours), tuple(shape), (p + ours,), transform, heads))
 
-    plain("input_layernorm.weight")
-    plain("post_attention_layernorm.weight")
-    if c.is_mla:
-        if c.q_lora_rank is None:
-            plain("self_attn.q_proj.weight")
-        else:
-            plain("self_attn.q_a_proj.weight")
-            out.append(TensorSpec(name(p + "self_attn.q_a_layernorm.weight"), (c.q_lora_rank,),
-                                  (p + "self_attn.q_a_layernorm.weight",)))
-            plain("self_attn.q_b_proj.weight")
-        plain("self_attn.kv_a_proj_with_mqa.weight")
-        out.append(TensorSpec(name(p + "self_attn.kv_a_layernorm.weight"), (c.kv_lora_rank,),
-                              (p + "self_attn.kv_a_layernorm.weight",)))
-        h, kv_b = c.num_attention_heads, (p + "self_attn.kv_b_proj.weight",)
-        out.append(TensorSpec(name(p + "self_attn.k_b_proj.weight"), (h, c.kv_lora_rank, c.qk_nope_head_dim),
-                              kv_b, "k_b", h))
-        out.append(TensorSpec(name(p + "self_attn.v_b_proj.weight"), (h, c.v_head_dim, c.kv_lora_rank),
-                              kv_b, "v_b", h))
-        plain("self_attn.o_proj.weight")
-        if c.is_moe_layer(i):
-            out += _moe_specs(c, i, name, linear_shapes)
-        else:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                plain(f"mlp.{proj}.weight")
-        return out
-    plain("self_attn.q_proj.weight", "rope_q", c.num_attention_heads)
-    plain("self_attn.k_proj.weight", "rope_k", c.num_key_value_heads)
-    plain("self_attn.v_proj.weight")
-    plain("self_attn.o_proj.weight")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        plain(f"mlp.{proj}.weight")
+def model_params(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every decoder-layer parameter and buffer of our model → its shape (layers built on the meta device)."""
+    from quantship.models.causal_lm import build_layer
+
+    out = {}
+    for i in range(config.num_hidden_layers):
+        with torch.device("meta"):
+            layer = build_layer(config, i)
+        out.update({f"model.layers.{i}.{k}": tuple(v.shape) for k, v in layer.state_dict().items()})
     return out
 
 
-def _moe_specs(c: ModelConfig, i: int, name, linear_shapes) -> list[TensorSpec]:
+def rope_freq_factors(config: ModelConfig) -> torch.Tensor:
+    """llama3 scaling as llama.cpp takes it: each default frequency divided by the scaled one."""
+    from dataclasses import replace
+
+    from quantship.models.layers import rope_frequencies
+
+    base, _ = rope_frequencies(replace(config.rope, type="default"), config.rope_dim)
+    scaled, _ = rope_frequencies(config.rope, config.rope_dim)
+    return base / scaled
+
+
+def _gqa_specs(c: ModelConfig, i: int, name, params) -> list[TensorSpec]:
+    """Llama, Qwen2, Qwen3: every parameter of the layer, q/k rows paired for llama's rope."""
+    p = f"model.layers.{i}."
+    out = []
+    order = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    for module in order:
+        for kind in ("weight", "bias"):
+            ours = f"{p}{module}.{kind}"
+            if ours not in params:
+                continue
+            transform, heads = "", 0
+            if gguf_arch(c) == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                # Hugging Face's Llama rotates halves; llama.cpp's llama rotates pairs (qwen is NEOX: as is)
+                q = module == "self_attn.q_proj"
+                transform, heads = ("rope_q", c.num_attention_heads) if q else ("rope_k", c.num_key_value_heads)
+            out.append(TensorSpec(name(ours), tuple(params[ours]), (ours,), transform, heads))
+    return out
+
+
+def _mla_specs(c: ModelConfig, i: int, name, params) -> list[TensorSpec]:
+    p = f"model.layers.{i}."
+    out: list[TensorSpec] = []
+
+    def plain(ours: str) -> None:
+        out.append(TensorSpec(name(p + ours), tuple(params[p + ours]), (p + ours,)))
+
+    plain("input_layernorm.weight")
+    plain("post_attention_layernorm.weight")
+    if c.q_lora_rank is None:
+        plain("self_attn.q_proj.weight")
+    else:
+        plain("self_attn.q_a_proj.weight")
+        plain("self_attn.q_a_layernorm.weight")
+        plain("self_attn.q_b_proj.weight")
+    plain("self_attn.kv_a_proj_with_mqa.weight")
+    plain("self_attn.kv_a_layernorm.weight")
+    h, kv_b = c.num_attention_heads, (p + "self_attn.kv_b_proj.weight",)
+    out.append(TensorSpec(name(p + "self_attn.k_b_proj.weight"), (h, c.kv_lora_rank, c.qk_nope_head_dim),
+                          kv_b, "k_b", h))
+    out.append(TensorSpec(name(p + "self_attn.v_b_proj.weight"), (h, c.v_head_dim, c.kv_lora_rank), kv_b, "v_b", h))
+    plain("self_attn.o_proj.weight")
+    if c.is_moe_layer(i):
+        out += _moe_specs(c, i, name, params)
+    else:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            plain(f"mlp.{proj}.weight")
+    return out
+
+
+def _moe_specs(c: ModelConfig, i: int, name, params) -> list[TensorSpec]:
     p = f"model.layers.{i}.mlp."
     out = [TensorSpec(name(p + "gate.weight"), (c.n_routed_experts, c.hidden_size), (p + "gate.weight",))]
     if c.topk_method == "noaux_tc":
@@ -120,12 +160,12 @@ def _moe_specs(c: ModelConfig, i: int, name, linear_shapes) -> list[TensorSpec]:
         out.append(TensorSpec(bias, (c.n_routed_experts,), (p + "gate.e_score_correction_bias",)))
     for proj in ("gate_proj", "up_proj", "down_proj"):
         experts = tuple(f"{p}experts.{e}.{proj}.weight" for e in range(c.n_routed_experts))
-        rows, cols = linear_shapes[experts[0]]
+        rows, cols = params[experts[0]]
         out.append(TensorSpec(name(f"{p}experts.{proj}.weight"), (c.n_routed_experts, rows, cols), experts, "stack"))
     if c.n_shared_experts:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             ours = f"{p}shared_experts.{proj}.weight"
-            out.append(TensorSpec(name(ours), tuple(linear_shapes[ours]), (ours,)))
+            out.append(TensorSpec(name(ours), tuple(params[ours]), (ours,)))
     return out
 
 

@@ -8,12 +8,14 @@ key_length_mla / value_length_mla.
 
 from __future__ import annotations
 
+import json
+
 import gguf
 from gguf import Keys
 
 from quantship.errors import QuantshipError
 from quantship.formats.gguf_mix import FILE_TYPES
-from quantship.models.config import DEEPSEEK_V2, DEEPSEEK_V3, LLAMA, ModelConfig
+from quantship.models.config import DEEPSEEK_V2, DEEPSEEK_V3, LLAMA, QWEN2, QWEN3, ModelConfig
 
 _FILE_TYPE_IDS = {
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
@@ -23,6 +25,8 @@ _FILE_TYPE_IDS = {
 }
 assert set(_FILE_TYPE_IDS) == set(FILE_TYPES)
 YARN_LOG_MUL = 0.1  # DeepSeek's yarn mscale coefficient, which llama.cpp stores multiplied in
+ROPE_SCALING_KEY = "quantship.rope_scaling"
+GQA_ARCHES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
 def add_metadata(w: gguf.GGUFWriter, c: ModelConfig, name: str, file_type: str) -> None:
@@ -76,7 +80,14 @@ def _add_mla(w: gguf.GGUFWriter, c: ModelConfig) -> None:
 
 def _add_rope_scaling(w: gguf.GGUFWriter, c: ModelConfig) -> None:
     r = c.rope
-    if r.type == "linear":
+    if r.type == "llama3":
+        # llama.cpp reads llama3 scaling from the rope_freqs.weight tensor; the parameters are kept
+        # here too, under quantship's own key, so that reading the file back gives the same config.
+        w.add_string(ROPE_SCALING_KEY, json.dumps({"rope_type": "llama3", "factor": r.factor,
+                                                   "original_max_position_embeddings": r.original_max_position_embeddings,
+                                                   "low_freq_factor": r.low_freq_factor,
+                                                   "high_freq_factor": r.high_freq_factor}))
+    elif r.type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(r.factor)
     elif r.type == "yarn":
@@ -122,12 +133,17 @@ def config_from_gguf(fields: dict, has_tensor) -> dict:
             mscale = (get(Keys.Rope.SCALING_YARN_LOG_MUL) or YARN_LOG_MUL) / YARN_LOG_MUL
             raw["rope_scaling"].update(original_max_position_embeddings=get(Keys.Rope.SCALING_ORIG_CTX_LEN),
                                        mscale=mscale, mscale_all_dim=mscale)
-    if arch == "llama":
-        raw.update(architectures=[LLAMA], num_key_value_heads=get(Keys.Attention.HEAD_COUNT_KV),
+    if ROPE_SCALING_KEY in fields:
+        raw["rope_scaling"] = json.loads(fields[ROPE_SCALING_KEY])
+    elif has_tensor("rope_freqs.weight"):
+        raise QuantshipError("rope_freqs.weight without quantship.rope_scaling: llama3 rope factors from another "
+                             "converter are not read back yet")
+    if arch in GQA_ARCHES:
+        raw.update(architectures=[GQA_ARCHES[arch]], num_key_value_heads=get(Keys.Attention.HEAD_COUNT_KV),
                    head_dim=get(Keys.Attention.KEY_LENGTH))
         return raw
     if arch != "deepseek2":
-        raise QuantshipError(f"GGUF architecture {arch!r} is not supported (deepseek2, llama)")
+        raise QuantshipError(f"GGUF architecture {arch!r} is not supported (deepseek2, llama, qwen2, qwen3)")
     rope = get(Keys.Rope.DIMENSION_COUNT)
     experts = get(Keys.LLM.EXPERT_COUNT, 0)
     sigmoid = get(Keys.LLM.EXPERT_GATING_FUNC) == gguf.ExpertGatingFuncType.SIGMOID

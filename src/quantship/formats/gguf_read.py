@@ -17,7 +17,7 @@ from torch import nn
 
 from quantship.errors import QuantshipError
 from quantship.formats import gguf_blocks as blocks
-from quantship.formats.gguf_layout import TensorSpec, ours_from_gguf, tensor_specs
+from quantship.formats.gguf_layout import ROPE_FREQS, TensorSpec, model_params, ours_from_gguf, tensor_specs
 from quantship.formats.gguf_metadata import config_from_gguf
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, config_from_dict
@@ -91,13 +91,8 @@ class GGUFCheckpoint:
         return blocks.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
 
     def _specs(self) -> list[TensorSpec]:
-        if self._spec_cache is not None:
-            return self._spec_cache
-        with torch.device("meta"):
-            layers = [build_layer(self.config, i) for i in range(self.config.num_hidden_layers)]
-        shapes = {f"model.layers.{i}.{n}.weight": tuple(m.weight.shape)
-                  for i, layer in enumerate(layers) for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-        self._spec_cache = tensor_specs(self.config, shapes)
+        if self._spec_cache is None:
+            self._spec_cache = tensor_specs(self.config, model_params(self.config))
         return self._spec_cache
 
     def state_dict(self, layer: int | None) -> dict[str, torch.Tensor]:
@@ -110,7 +105,9 @@ class GGUFCheckpoint:
                 raise QuantshipError(f"{spec.name} has shape {list(t.shape)}, the metadata implies {list(spec.shape)}",
                                      self.path)
             tensors[spec.name] = t
-        return ours_from_gguf(specs, tensors)
+        ours = ours_from_gguf(specs, tensors)
+        ours.pop(ROPE_FREQS, None)  # read back into the config (quantship.rope_scaling), not a weight
+        return ours
 
     def load_model(self, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
         layers = []
