@@ -436,6 +436,8 @@ EXAMPLES = {
         quantship export tiny-w4a16-g32 --format gguf -o tiny-q4_0.gguf        # lossless from a W4A16 group-32 checkpoint
         quantship export tiny --format gguf -o tiny-q4km-gptq.gguf --type Q4_K_M --method gptq
         quantship verify tiny tiny-q4km.gguf --report reports/q4km            # the file measured like any checkpoint
+        quantship export tiny --format onnx -o tiny-onnx                      # fp32 decoder with a KV cache for ONNX Runtime
+        quantship export tiny-w4a16 --format onnx -o tiny-onnx-int4 --type int4   # MatMulNBits from the checkpoint's integers
     """,
     "plan": """
         quantship plan tiny --budget-bits 5 -o plan.json
@@ -550,16 +552,19 @@ def build_parser() -> argparse.ArgumentParser:
     from quantship.formats.export import EXPORT_FORMATS
 
     p = add("export", "Write a model (full precision, or quantized by quantship) in another runtime's format: GGUF "
-                      "for llama.cpp.", cmd_export)
+                      "for llama.cpp, ONNX (a KV-cache decoder directory) for ONNX Runtime.", cmd_export)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL_OR_QUANT")
     p.add_argument("--format", required=True, choices=sorted(EXPORT_FORMATS))
-    p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="the file to write (.gguf)")
-    p.add_argument("--type", help="Q4_0, Q4_1, Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16, F16 (default: the lossless type of a "
-                                  "quantized checkpoint, Q4_K_M from full precision)")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="OUT",
+                   help="the file to write (.gguf), or the directory (onnx)")
+    p.add_argument("--type", help="gguf: Q4_0, Q4_1, Q8_0, Q4_K_M, Q5_K_M, Q6_K, BF16, F16 (default: the lossless type "
+                                  "of a quantized checkpoint, Q4_K_M from full precision); onnx: fp32 (default), fp16, "
+                                  "int4, int8-dynamic, int8-static")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="how full-precision weights are rounded onto the type's grid (default rtn)")
-    p.add_argument("--calib", type=Path, help="calibration text for --method gptq (default: the bundled one)")
-    p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples for gptq (default 128)")
+    p.add_argument("--calib", type=Path, help="calibration text for --method gptq and onnx int8-static "
+                                              "(default: the bundled one)")
+    p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples (default 128)")
     p.add_argument("--seq-len", type=integer(2), default=512, help="tokens per calibration sample (default 512)")
     p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from quantship.errors import QuantshipError
 
 # format name → "module:function"
-EXPORT_FORMATS = {"gguf": "quantship.formats.export:export_gguf_request"}
+EXPORT_FORMATS = {"gguf": "quantship.formats.export:export_gguf_request",
+                  "onnx": "quantship.formats.export:export_onnx_request"}
 
 
 @dataclass
@@ -42,3 +43,14 @@ def export_gguf_request(request: ExportRequest) -> list[str]:
     opts = GGUFOptions(type=request.type, method=request.method, calib=request.calib, samples=request.samples,
                        seq_len=request.seq_len, overwrite=request.overwrite)
     return summary_lines(export_gguf(request.source, request.output, opts))
+
+
+def export_onnx_request(request: ExportRequest) -> list[str]:
+    from quantship.formats.onnx import OnnxOptions, export_onnx, summary_lines
+
+    if request.method != "rtn":
+        raise QuantshipError("--method applies to GGUF; ONNX int4/int8 take a checkpoint's integers "
+                             "(quantize with --method gptq/awq first) or round full precision with RTN")
+    opts = OnnxOptions(type=request.type or "fp32", calib=request.calib, samples=request.samples,
+                       seq_len=request.seq_len, overwrite=request.overwrite)
+    return summary_lines(export_onnx(request.source, request.output, opts))

@@ -1,0 +1,156 @@
+"""ONNX export (quantship export --format onnx): checked by onnx.checker, run by ONNX Runtime on CPU,
+compared with our model definition on the same weights."""
+
+import hashlib
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from quantship.cli import main
+from quantship.errors import QuantshipError
+from quantship.formats import onnx as onnx_export
+from quantship.formats.onnx import OnnxOptions, export_onnx
+from quantship.formats.onnx_runtime import OnnxModel
+from quantship.models.bundled import TINY_DIR
+from quantship.models.generate import generate_tokens
+from quantship.models.loader import load_model
+
+
+def window(batch=2, length=40, seed=1):
+    return torch.randint(0, 8000, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama_fp32(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx") / "llama-fp32"
+    export_onnx(llama_dir, out, OnnxOptions(type="fp32"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx") / "tiny-fp32"
+    export_onnx(TINY_DIR, out, OnnxOptions(type="fp32"))
+    return out
+
+
+def test_llama_layout_checker_and_files(llama_fp32):
+    onnx.checker.check_model(str(llama_fp32 / "model.onnx"), full_check=True)
+    model = onnx.load(str(llama_fp32 / "model.onnx"), load_external_data=False)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*model.graph.input, *model.graph.output]}
+    assert dims["input_ids"] == ["batch_size", "sequence_length"]
+    assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+    assert dims["position_ids"] == ["batch_size", "sequence_length"]
+    assert dims["past_key_values.1.key"] == ["batch_size", 2, "past_sequence_length", 64]
+    assert dims["present.1.value"] == ["batch_size", 2, "total_sequence_length", 64]
+    assert dims["logits"] == ["batch_size", "sequence_length", 8192]
+    assert len(model.graph.input) == 3 + 2 * 2 and len(model.graph.output) == 1 + 2 * 2
+    assert {o.domain or "ai.onnx": o.version for o in model.opset_import} == {"ai.onnx": 17}
+    # weights live in the external data file, none inline beyond small constants
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer if t.name.endswith("weight"))
+    files = {p.name for p in llama_fp32.iterdir()}
+    assert {"model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "config.json",
+            "quantship_onnx.json", "SHA256SUMS"} <= files
+    for line in (llama_fp32 / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ")
+        assert hashlib.sha256((llama_fp32 / name).read_bytes()).hexdigest() == digest
+    genai = json.loads((llama_fp32 / "genai_config.json").read_text())
+    assert genai["model"]["type"] == "llama"
+    assert genai["model"]["decoder"]["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert genai["model"]["decoder"]["head_size"] == 64 and genai["model"]["decoder"]["num_key_value_heads"] == 2
+
+
+def test_llama_fp32_logits_and_greedy_match_our_model(llama_dir, llama_fp32):
+    ours, onnx_model = load_model(llama_dir), OnnxModel(llama_fp32)
+    ids = window()
+    with torch.no_grad():
+        expected = ours(ids).numpy()
+    np.testing.assert_allclose(onnx_model.logits(ids.numpy()), expected, atol=1e-4, rtol=0)
+    prompt = ids[0, :8].tolist()
+    assert onnx_model.greedy(prompt, 32) == list(generate_tokens(ours, prompt, 32))
+
+
+def test_llama_cache_and_padding(llama_fp32):
+    """Prefill in two chunks through the cache equals one pass; a left-padded row equals the row alone."""
+    m = OnnxModel(llama_fp32)
+    ids = window(1, 24).numpy()
+    whole = m.logits(ids)
+    first, cache = m.step(ids[:, :10], m.empty_cache(), 0)
+    second, _ = m.step(ids[:, 10:], cache, 10)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, atol=1e-4, rtol=0)
+    short = window(1, 16, seed=2).numpy()
+    padded = np.concatenate([np.zeros((1, 8), dtype=np.int64), short], axis=1)
+    batch = np.concatenate([padded, ids], axis=0)
+    mask = np.ones_like(batch)
+    mask[0, :8] = 0
+    positions = np.stack([np.maximum(np.arange(24) - 8, 0), np.arange(24)])
+    feeds = {"input_ids": batch, "attention_mask": mask, "position_ids": positions, **m.empty_cache(2)}
+    logits = m.session.run(["logits"], feeds)[0]
+    np.testing.assert_allclose(logits[0, 8:], m.logits(short)[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[1], whole[0], atol=1e-4, rtol=0)
+
+
+def test_llama_fp16(llama_dir, tmp_path):
+    export_onnx(llama_dir, tmp_path / "fp16", OnnxOptions(type="fp16"))
+    m = OnnxModel(tmp_path / "fp16")
+    assert m.cache_dtype == np.float16
+    weights = onnx.load(str(tmp_path / "fp16" / "model.onnx"), load_external_data=False).graph.initializer
+    assert {t.data_type for t in weights if t.name.endswith("proj.weight")} == {onnx.TensorProto.FLOAT16}
+    ours = load_model(llama_dir)
+    ids = window()
+    with torch.no_grad():
+        expected = ours(ids).numpy()
+    np.testing.assert_allclose(m.logits(ids.numpy()), expected, atol=1e-2, rtol=0)
+    prompt = ids[0, :8].tolist()
+    assert m.greedy(prompt, 32) == list(generate_tokens(ours, prompt, 32))
+
+
+def test_deepseek_v3_mla_moe_matches_our_model(tiny_fp32):
+    """The bundled DeepSeek-V3-shaped model: MLA with the latent cached, MoE routed inside the graph."""
+    m = OnnxModel(tiny_fp32)
+    names = [i.name for i in m.session.get_inputs()]
+    assert "past_key_values.0.latent" in names and not any(n.endswith(".key") for n in names)
+    assert m.session.get_inputs()[3].shape == ["batch_size", 1, "past_sequence_length", 128 + 16]
+    graph = onnx.load(str(tiny_fp32 / "model.onnx"), load_external_data=False).graph
+    assert {"TopK", "GatherElements", "ScatterND", "ScatterElements", "NonZero"} <= {n.op_type for n in graph.node}
+    ours = load_model(TINY_DIR)
+    ids = window()
+    with torch.no_grad():
+        expected = ours(ids).numpy()
+    np.testing.assert_allclose(m.logits(ids.numpy()), expected, atol=2e-4, rtol=0)
+    prompt = ids[0, :8].tolist()
+    assert m.greedy(prompt, 32) == list(generate_tokens(ours, prompt, 32))
+
+
+def test_cli_export_onnx(llama_dir, tmp_path, capsys):
+    assert main(["export", str(llama_dir), "--format", "onnx", "-o", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "ONNX fp32 (LlamaForCausalLM)" in out and "onnx.checker full check passed" in out
+    assert (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(llama_dir, tmp_path, capsys, monkeypatch):
+    def run(*args):
+        code = main(["export", *map(str, args)])
+        return code, capsys.readouterr().err.strip()
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "file").write_text("x")
+    for args, words in [([llama_dir, "--format", "onnx", "-o", tmp_path / "full"], "not empty"),
+                        ([llama_dir, "--format", "onnx", "-o", tmp_path / "file"], "not a directory"),
+                        ([llama_dir, "--format", "onnx", "-o", tmp_path / "a", "--type", "int3"], "unknown ONNX type"),
+                        ([tmp_path / "full", "--format", "onnx", "-o", tmp_path / "b"], "no config.json"),
+                        ([llama_dir, "--format", "onnx", "-o", tmp_path / "c", "--method", "gptq"], "--method")]:
+        code, err = run(*args)
+        assert code == 2 and words in err and len(err.splitlines()) == 1, err
+    # a failure halfway through the layers removes the partial directory
+    monkeypatch.setattr(onnx_export, "build_decoder",
+                        lambda *a: (_ for _ in ()).throw(QuantshipError("boom")))
+    code, err = run(llama_dir, "--format", "onnx", "-o", tmp_path / "d")
+    assert code == 2 and "boom" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
