@@ -150,7 +150,8 @@ class LLMEngine:
         if logits is None:
             return outputs
         tokens, logprobs = sample(logits, [s.params for s in finished_chunks],
-                                  [s.generator for s in finished_chunks], [s.params.logprobs for s in finished_chunks])
+                                  [s.generator_on(logits.device) for s in finished_chunks],
+                                  [s.params.logprobs for s in finished_chunks])
         now = time.monotonic()
         for seq, token, logprob in zip(finished_chunks, tokens, logprobs):
             outputs.append(self._append(seq, token, logprob, now))

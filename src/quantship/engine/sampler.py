@@ -1,4 +1,8 @@
-"""Draw the next token of every sequence in the step from its logits row."""
+"""Draw the next token of every sequence in the step from its logits row, on the logits' device.
+
+Everything stays on the device (greedy argmax, temperature, top-k, top-p, seeded draws, log-probs);
+the step's only host synchronisation is the one read of the chosen token ids (and log-probs).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import torch
 from quantship.engine.sampling import SamplingParams
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] float32 → token id, with temperature, top-k and top-p (nucleus) filtering."""
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [V] float32 → token id (a 0-d tensor on logits' device), with temperature, top-k and top-p."""
     if params.temperature <= 0:
-        return int(logits.argmax())
+        return logits.argmax()
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k).values[-1]
@@ -19,21 +23,22 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # the most likely token always stays
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        # A mask, not boolean indexing: indexing would wait for the device to count the kept tokens.
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            want_logprobs: list[bool]) -> tuple[list[int], list[float | None]]:
     """logits [S, V] → one token per row and, where asked, its log-probability under the model."""
-    logits = logits.float().cpu()
-    greedy = logits.argmax(dim=-1).tolist()  # one vectorised pass serves every greedy row
-    tokens = [g if p.temperature <= 0 else sample_row(row, p, gen)
-              for row, g, p, gen in zip(logits, greedy, params, generators)]
-    logprobs: list[float | None] = [None] * len(tokens)
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)  # one vectorised pass serves every greedy row
+    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    if drawn:
+        tokens[drawn] = torch.stack([sample_row(logits[i], params[i], generators[i]) for i in drawn])
     rows = [i for i, want in enumerate(want_logprobs) if want]
-    if rows:
-        chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, torch.tensor([[tokens[i]] for i in rows]))
-        for i, value in zip(rows, chosen[:, 0].tolist()):
-            logprobs[i] = value
-    return tokens, logprobs
+    chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows, None])[:, 0] if rows else None
+    logprobs: list[float | None] = [None] * len(params)
+    for i, value in zip(rows, chosen.tolist() if chosen is not None else []):
+        logprobs[i] = value
+    return tokens.tolist(), logprobs

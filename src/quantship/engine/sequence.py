@@ -64,7 +64,15 @@ class Sequence:
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival,
                                       prompt_tokens=len(prompt_ids))
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """The request's seeded random stream on the device its logits live on (None without a seed)."""
+        if self.params.seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.params.seed)
+        return self._generators[device]
 
     @property
     def num_tokens(self) -> int:
