@@ -154,6 +154,14 @@ def weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def weight_memory(module: nn.Module) -> dict:
+    """What the loaded weights hold, for start-up logs and `info`: total bytes, and of them the packed
+    W4A16/W8A16 Linears (values + scales + zero points) and how many there are."""
+    packed = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    return {"weight_bytes": weight_bytes(module), "packed_linears": len(packed),
+            "packed_linear_bytes": sum(weight_bytes(m) for m in packed)}
+
+
 def matches_target(name: str, target: str) -> bool:
     """compressed-tensors' target syntax: `Linear` (the class), an exact module name, or `re:` + a regex."""
     if target == "Linear":  # a class-name target; only Linear modules are ever asked about

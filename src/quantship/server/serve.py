@@ -132,6 +132,7 @@ def _build(path: Path, name: str, opts: ServeOptions):
     from quantship.engine.async_engine import AsyncEngine
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import load_engine
+    from quantship.models.quantized import weight_memory
     from quantship.server.app import create_app
 
     config = EngineConfig(enable_prefix_caching=opts.prefix_caching)
@@ -142,6 +143,10 @@ def _build(path: Path, name: str, opts: ServeOptions):
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     log.info("loading %s on %s", path, device)
     engine = load_engine(path, device, config=config)
+    memory = weight_memory(engine.model)
+    log.info("weights: %.1f MiB on %s%s", memory["weight_bytes"] / 2**20, device,
+             f", of which {memory['packed_linears']} packed int Linears {memory['packed_linear_bytes'] / 2**20:.1f} MiB"
+             if memory["packed_linears"] else "")
     s = engine.stats()
     log.info("KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.1f MiB; context %d tokens, "
              "batch up to %d sequences, queue bound %d, prefix caching %s", s.num_blocks, s.block_size,
