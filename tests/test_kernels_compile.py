@@ -34,13 +34,18 @@ for bits in (4, 8):
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128})
-tiles = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
-compile(moe.moe_gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-        "block_expert_ptr": "*i32", "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32",
-        "TOP_K": "i32"}, tiles)
-compile(moe.moe_down_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-        "block_expert_ptr": "*i32", "routing_ptr": "*fp32", "num_slots": "i32", "num_experts": "i32", "H": "i32",
-        "I": "i32"}, tiles)
+experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
+gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
+           for p, t in experts.items()}, **{p.replace("w_", "up_").replace("s_", "up_s_").replace("z_", "up_z_"): t
+           for p, t in experts.items()}, "act_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+           "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "TOP_K": "i32", "group_size": "i32"}
+down = {"act_ptr": "*bf16", **experts, "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+        "routing_ptr": "*fp32", "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "group_size": "i32"}
+for bits, zero in ((0, False), (4, False), (4, True), (8, False)):
+    weight_type = "*bf16" if bits == 0 else "*i32"
+    tiles = {"BITS": bits, "HAS_ZERO": zero, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
+    compile(moe.moe_gate_up_kernel, dict(gate_up, gate_ptr=weight_type, up_ptr=weight_type), tiles)
+    compile(moe.moe_down_kernel, dict(down, w_ptr=weight_type), tiles)
 """
 
 
@@ -48,4 +53,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 14
+    assert done.stdout.count(" ok") == 20

@@ -5,7 +5,8 @@ On CPU these run under Triton's interpreter (conftest sets TRITON_INTERPRET=1)."
 import pytest
 import torch
 
-from quantship.kernels import fused_moe
+from quantship.kernels import fused_moe, wna16
+from quantship.kernels.fused_moe import ExpertWeights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytest.importorskip("triton")
@@ -36,35 +37,71 @@ def test_alignment_places_every_slot_once_in_its_experts_blocks(n, experts, top_
     assert sorted_ids.numel() == block_expert.numel() * block_m
 
 
-@pytest.mark.parametrize("n,experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (6, 8, 3, 96, 48), (33, 4, 2, 64, 80),
-                                                          (260, 4, 2, 32, 16)])
-def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter):
+def dense_experts(experts, out, inp, g):
+    return ExpertWeights((torch.randn(experts, out, inp, generator=g) / inp**0.5).to(DEVICE), inp)
+
+
+def packed_experts(experts, out, inp, g, bits, group, symmetric):
+    qmax = 1 << (bits - 1)
+    values = torch.randint(-qmax, qmax, (experts, out, inp), generator=g, dtype=torch.int8)
+    scale = torch.rand(experts, inp // group, out, generator=g) * 0.02 / inp**0.5 * 8
+    zero = None if symmetric else torch.randint(-qmax, qmax, (experts, inp // group, out), generator=g,
+                                                dtype=torch.int8)
+    packed = torch.stack([wna16.pack(v, bits) for v in values])
+    return ExpertWeights(packed.to(DEVICE), inp, scale.to(DEVICE), None if zero is None else zero.to(DEVICE), bits,
+                         group)
+
+
+CASES = [  # (n, experts, top_k, hidden, inter, quantization)
+    (1, 8, 2, 64, 32, None), (6, 8, 3, 96, 48, None), (33, 4, 2, 64, 80, None), (260, 4, 2, 32, 16, None),
+    (3, 8, 2, 128, 64, (4, 64, True)), (20, 4, 2, 128, 128, (4, 64, False)), (5, 4, 3, 128, 64, (8, 64, True)),
+]
+
+
+@pytest.mark.parametrize("n,experts,top_k,hidden,inter,quant", CASES)
+def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quant):
     g = torch.Generator().manual_seed(hidden + n)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(DEVICE)
-    down = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(DEVICE)
+    if quant is None:
+        gate, up, down = (dense_experts(experts, inter, hidden, g), dense_experts(experts, inter, hidden, g),
+                          dense_experts(experts, hidden, inter, g))
+    else:
+        gate, up, down = (packed_experts(experts, inter, hidden, g, *quant), packed_experts(experts, inter, hidden, g, *quant),
+                          packed_experts(experts, hidden, inter, g, *quant))
     weights, indices = routing(n, experts, top_k, seed=n + 1)
-    expected = fused_moe.reference(x, gate_up, down, weights, indices)
+    expected = fused_moe.reference(x, gate, up, down, weights, indices)
     dtypes = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
     for dtype in dtypes:
-        out = fused_moe.fused_moe(x.to(dtype), gate_up.to(dtype), down.to(dtype), weights, indices)
+        cast = [ExpertWeights(w.weight.to(dtype) if w.bits == 0 else w.weight, w.in_features,
+                              None if w.scale is None else w.scale.to(dtype), w.zero, w.bits, w.group_size)
+                for w in (gate, up, down)]
+        out = fused_moe.fused_moe(x.to(dtype), *cast, weights, indices)
         assert out.dtype == dtype and out.shape == x.shape
         error = (out.float() - expected).norm() / expected.norm()
         assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, error.item())
 
 
-def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped():
-    """The DeepSeek MoE module's own routing, through the fused kernels and through its expert loop."""
+@pytest.mark.parametrize("quantize", [False, True])
+def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
+    """The DeepSeek MoE module's own routing, through the fused kernels and through its expert loop,
+    with its bf16-trained experts as they are and RTN-quantized to packed W4A16 g64."""
     from quantship.models.bundled import TINY_DIR
     from quantship.models.loader import load_model
+    from quantship.models.quantized import quant_linear
+    from quantship.quant.rtn import rtn_quantize
+    from quantship.quant.scheme import WeightQuant
 
     model = load_model(TINY_DIR, torch.float32)
-    layer = next(layer for layer in model.model.layers if hasattr(layer.mlp, "fusable"))
-    moe = layer.mlp
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "enable_fused_kernels"))
+    if quantize:
+        for expert in moe.experts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                q = rtn_quantize(getattr(expert, name).weight.data, WeightQuant(num_bits=4, group_size=64))
+                setattr(expert, name, quant_linear(q.values, q.scale.float(), q.zero_point, bits=4))
     x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     weights, indices = moe.gate(x)
     looped = moe.routed(x, weights, indices)
-    assert moe.fusable()
-    fused = fused_moe.fused_moe(x, *moe.stacked_weights(), weights, indices)
-    assert torch.allclose(fused, looped, atol=1e-5, rtol=1e-4)
-    assert torch.equal(moe.routed(x, weights, indices), looped)  # the experts now hold views: same answer
+    assert moe.enable_fused_kernels()
+    fused = fused_moe.fused_moe(x, *moe.fused, weights, indices)
+    assert torch.allclose(fused, looped, atol=1e-4, rtol=1e-4)
+    assert torch.equal(moe.routed(x, weights, indices), looped)  # on CPU the loop runs, over views of the stack

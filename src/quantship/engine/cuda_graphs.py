@@ -42,8 +42,8 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model: CausalLM) -> bool:
-        moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "fusable")]
-        return next(model.parameters()).is_cuda and all(m.fusable() for m in moe)
+        moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "enable_fused_kernels")]
+        return next(model.parameters()).is_cuda and all(m.fused is not None for m in moe)
 
     def fits(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         decode_only = all(count == 1 and seq.num_computed + 1 == seq.num_tokens for seq, count in scheduled)

@@ -25,6 +25,10 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block graph padding writes into.
         self.kv = [torch.zeros((num_blocks + 1) * block_size, width, dtype=self.dtype, device=self.device)
                    for _ in model.model.layers]
+        if self.device.type == "cuda":  # MoE layers route on the device through the fused kernels
+            for module in model.modules():
+                if hasattr(module, "enable_fused_kernels"):
+                    module.enable_fused_kernels()
         self.graphs = None
         if cuda_graphs and DecodeGraphs.supported(model):
             self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, max_seqs, max_len)

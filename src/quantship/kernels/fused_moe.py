@@ -11,30 +11,62 @@ routing on the host every layer, which stops decode steps from being captured as
 3. `down`: act times the expert's down weight, scaled by the slot's routing weight → [slots, H];
    the k slots of a token are summed by one torch op.
 
-Weights are stacked per layer: gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I], the
-checkpoint's per-expert [out, in] matrices. `reference` is the plain loop the kernels must equal.
-The shapes are those of vLLM's fused_moe (its sorted-token layout is the anchor); the code is ours.
+Each projection of all experts is stacked once per layer (`ExpertWeights`): dense [E, out, in] as the
+checkpoint's [out, in] matrices, or W4A16/W8A16 packed [E, in/P, out] int32 with scales [E, G, out]
+(and zero points), the layout of kernels/wna16.py, dequantized in registers. Gate and up are
+separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
+loop the kernels must equal. The shapes follow vLLM's fused_moe (its sorted-token layout is the
+anchor); the code is ours.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from quantship.kernels import wna16
 
-def reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+
+@dataclass
+class ExpertWeights:
+    """One projection (gate, up or down) of every expert of a layer, stacked."""
+
+    weight: torch.Tensor  # dense [E, out, in], or packed int32 [E, ceil(in/P), out]
+    in_features: int
+    scale: torch.Tensor | None = None  # [E, G, out] (packed only)
+    zero: torch.Tensor | None = None  # [E, G, out] int8 (asymmetric only)
+    bits: int = 0  # 0: dense
+    group_size: int = 0
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1] if self.bits == 0 else self.weight.shape[2]
+
+    def dense(self, expert: int) -> torch.Tensor:
+        """Expert `expert`'s [out, in] matrix in float32."""
+        if self.bits == 0:
+            return self.weight[expert].float()
+        zero = None if self.zero is None else self.zero[expert]
+        return wna16.dequantize(self.weight[expert], self.scale[expert], zero, self.bits, self.in_features,
+                                self.group_size)
+
+
+def reference(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               indices: torch.Tensor) -> torch.Tensor:
-    """x [N, H], gate_up [E, 2I, H], down [E, H, I], routing weights/indices [N, k] → [N, H] (float32)."""
+    """x [N, H], routing weights/indices [N, k] → the routed experts' sum [N, H] (float32), one expert at a time."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = down.shape[2]
-    for e in range(gate_up.shape[0]):
+    for e in range(gate.weight.shape[0]):
         token, slot = torch.where(indices == e)
         if token.numel() == 0:
             continue
-        h = F.linear(x[token].float(), gate_up[e].float())
-        act = F.silu(h[:, :inter]) * h[:, inter:]
-        out.index_add_(0, token, F.linear(act, down[e].float()) * weights[token, slot, None].float())
+        act = F.silu(F.linear(x[token].float(), gate.dense(e))) * F.linear(x[token].float(), up.dense(e))
+        out.index_add_(0, token, F.linear(act, down.dense(e)) * weights[token, slot, None].float())
     return out
+
+
+BLOCK_N, BLOCK_K = 64, 64  # packed experts need groups that a BLOCK_K tile stays inside
 
 
 def block_m_for(slots: int, num_experts: int) -> int:
@@ -64,26 +96,31 @@ def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int) -> tu
     return sorted_ids, block_expert
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              indices: torch.Tensor, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def _pointers(w: ExpertWeights) -> tuple:
+    return w.weight, w.weight if w.scale is None else w.scale, w.weight if w.zero is None else w.zero
+
+
+def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
+              indices: torch.Tensor, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> torch.Tensor:
     """The routed experts' output [N, H] in x's dtype, through the two Triton kernels."""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_down_kernel, moe_gate_up_kernel
 
     n, hidden = x.shape
-    num_experts, inter, top_k = gate_up.shape[0], down.shape[2], indices.shape[1]
+    num_experts, inter, top_k = gate.weight.shape[0], gate.out_features, indices.shape[1]
     slots = n * top_k
     block_m = block_m_for(slots, num_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    x = x.contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
-    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, act, sorted_ids, block_expert, slots, num_experts, hidden, inter, top_k, **common)
+        x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, slots, num_experts, hidden, inter, top_k,
+        max(gate.group_size, 1), BITS=gate.bits, HAS_ZERO=gate.zero is not None, **tiles)
     out = torch.empty(slots, hidden, dtype=x.dtype, device=x.device)
     moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down, out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(), slots, num_experts,
-        hidden, inter, **common)
+        act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(), slots,
+        num_experts, hidden, inter, max(down.group_size, 1), BITS=down.bits, HAS_ZERO=down.zero is not None, **tiles)
     return out.view(n, top_k, hidden).sum(1)

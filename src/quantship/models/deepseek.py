@@ -8,7 +8,10 @@ from torch import nn
 
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
+from quantship.kernels.fused_moe import BLOCK_K as FUSED_MOE_BLOCK_K
+from quantship.kernels.fused_moe import ExpertWeights, fused_moe
 from quantship.models.paged import PagedBatch, dense_weight
+from quantship.models.quantized import PackedLinear
 
 
 class MLAttention(nn.Module):
@@ -142,6 +145,9 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
         )
+        # The stacked experts once the serving engine turned the fused kernels on (CUDA); the quantizer
+        # never does, since its calibration hooks must see every expert's own Linear run.
+        self.fused: tuple[ExpertWeights, ExpertWeights, ExpertWeights] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -153,10 +159,8 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def routed(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if flat.is_cuda and self.fusable():
-            from quantship.kernels.fused_moe import fused_moe
-
-            return fused_moe(flat, *self.stacked_weights(), weights, indices)
+        if self.fused is not None and flat.is_cuda:
+            return fused_moe(flat, *self.fused, weights, indices)
         out = torch.zeros_like(flat)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
@@ -169,22 +173,43 @@ class MoE(nn.Module):
 
 
     def fusable(self) -> bool:
-        """The fused kernels take plain (unquantized, bias-free) expert Linears; others keep the loop."""
-        linears = [m for e in self.experts for m in (e.gate_proj, e.up_proj, e.down_proj)]
-        return all(type(m) is nn.Linear and m.bias is None for m in linears)
+        """Whether the fused kernels take these experts: all plain bias-free Linears, or all packed
+        W4A16/W8A16 with one scheme for gate and up and one for down, in groups a K tile stays inside."""
+        projections = [[getattr(e, name) for e in self.experts] for name in ("gate_proj", "up_proj", "down_proj")]
+        linears = [m for group in projections for m in group]
+        if all(type(m) is nn.Linear and m.bias is None for m in linears):
+            return True
+        if not all(isinstance(m, PackedLinear) and m.bias is None for m in linears):
+            return False
+        schemes = [{(m.bits, m.group_size, m.weight_zero_point is not None) for m in group} for group in projections]
+        if any(len(s) != 1 for s in schemes) or schemes[0] != schemes[1]:
+            return False
+        return all(m.group_size % FUSED_MOE_BLOCK_K == 0 for m in (projections[0][0], projections[2][0]))
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' weights as gate_up [E, 2I, H] and down [E, H, I], made once. Each expert's Linears
-        then hold views into them, so the stacking costs no memory beyond one layer while it runs."""
-        if getattr(self, "_stacked", None) is None:
-            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-            down = torch.stack([e.down_proj.weight for e in self.experts])
-            inter = down.shape[2]
-            for i, e in enumerate(self.experts):
-                e.gate_proj.weight.data, e.up_proj.weight.data = gate_up[i, :inter], gate_up[i, inter:]
-                e.down_proj.weight.data = down[i]
-            self._stacked = (gate_up, down)
-        return self._stacked
+    def enable_fused_kernels(self) -> bool:
+        """Stack the experts for the fused kernels (the serving engine calls this on CUDA). Each expert's
+        Linear then holds a view into the stack: no memory beyond the layer being stacked."""
+        if self.fused is None and self.fusable():
+            self.fused = tuple(self._stack(name) for name in ("gate_proj", "up_proj", "down_proj"))
+        return self.fused is not None
+
+    def _stack(self, name: str) -> ExpertWeights:
+        linears = [getattr(e, name) for e in self.experts]
+        first = linears[0]
+        if type(first) is nn.Linear:
+            fields = {"weight": "weight"}
+            out = ExpertWeights(None, first.in_features)
+        else:
+            fields = {"weight": "weight_packed", "scale": "weight_scale", "zero": "weight_zero_point"}
+            out = ExpertWeights(None, first.in_features, bits=first.bits, group_size=first.group_size)
+        for field, attr in fields.items():
+            if getattr(first, attr) is None:
+                continue
+            stacked = torch.stack([getattr(m, attr).data for m in linears])
+            for i, m in enumerate(linears):
+                getattr(m, attr).data = stacked[i]
+            setattr(out, field, stacked)
+        return out
 
 
 def deepseek_layer(config: ModelConfig, index: int) -> DecoderLayer:
