@@ -4,6 +4,8 @@ Here (CPU, bundled model):
     .venv/bin/python benchmarks/engine_throughput.py run --where cpu
 On the GPU machine (DeepSeek-Coder-6.7B shape, random bf16 weights, plus the bandwidth roofline):
     PYTHONPATH=src python3 benchmarks/engine_throughput.py run --where gpu --out $OUT
+DeepSeek-V2-Lite shape, 8 of its 27 layers (MLA + 64 routed experts through the fused MoE kernels):
+    PYTHONPATH=src python3 benchmarks/engine_throughput.py run --where gpu --shape v2-lite --layers 8 --out $OUT
 Then here: .venv/bin/python benchmarks/engine_throughput.py render
 
 Both sides generate the same number of tokens per request (EOS ignored) for a batch of equal-length
@@ -166,7 +168,7 @@ def time_ttft(model, hf, prompt_len: int, config) -> dict:
     return {"prompt_len": prompt_len, "ours_s": ours, "transformers_s": theirs}
 
 
-def load_pair(where: str):
+def load_pair(where: str, shape: str = "coder-6.7b", layers: int | None = None):
     """(transformers model, our model sharing its weights, prompt source, dtype)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -181,22 +183,22 @@ def load_pair(where: str):
         return hf, load_model(TINY_DIR, torch.float32), "tiny", torch.float32
     from quantize_speed import SHAPES
 
-    raw = dict(SHAPES["coder-6.7b"])
+    raw = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
     config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.device("meta"):
         ours = CausalLM(config_from_dict(raw))
     ours.load_state_dict(hf.state_dict(), assign=True)  # same tensors, no second copy
-    return hf, ours.eval(), "coder-6.7b", torch.bfloat16
+    return hf, ours.eval(), shape, torch.bfloat16
 
 
-def run(where: str, out: Path) -> None:
+def run(where: str, out: Path, shape: str = "coder-6.7b", layers: int | None = None) -> None:
     from quantship.engine.config import EngineConfig
     from quantship.models.paged import kv_bytes_per_token
 
     torch.manual_seed(0)
-    hf, ours, name, dtype = load_pair(where)
+    hf, ours, name, dtype = load_pair(where, shape, layers)
     batches, prompt_len, new_tokens = ([1, 8, 32], 32, 64) if where == "cpu" else ([1, 16, 64], 128, 128)
     vocab = ours.config.vocab_size
     config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
@@ -239,7 +241,8 @@ def run(where: str, out: Path) -> None:
         result["cpu_threads"] = torch.get_num_threads()
         result["cpu_count"] = os.cpu_count()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"engine_throughput_{where}.json").write_text(json.dumps(result, indent=2) + "\n")
+    suffix = "" if where == "cpu" or shape == "coder-6.7b" else f"_{shape}"
+    (out / f"engine_throughput_{where}{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> dict:
@@ -396,13 +399,15 @@ def main() -> None:
     p = sub.add_parser("run")
     p.add_argument("--where", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--shape", default="coder-6.7b", help="gpu only: coder-6.7b, or v2-lite (MLA + MoE, fused experts)")
+    p.add_argument("--layers", type=int, help="gpu only: fewer decoder layers than the shape has")
     sub.add_parser("render")
     sub.add_parser("quick").add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.cmd == "quick":
         quick(args.out)
     elif args.cmd == "run":
-        run(args.where, args.out)
+        run(args.where, args.out, args.shape, args.layers)
         if args.out == RESULTS:
             render()
     else:
