@@ -3,8 +3,7 @@
 import triton
 import triton.language as tl
 
-MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23 (see _wna16_triton: integers to floats cheaply)
-MAGIC_VALUE = tl.constexpr(8388608.0)
+from quantship.kernels._wna16_triton import _to_float
 
 
 @triton.jit
@@ -24,8 +23,7 @@ def _expert_tile(w_ptr, s_ptr, z_ptr, expert, offs_k, offs_n, k0, K, N, group_si
         rows = tl.cdiv(K, 32 // BITS)
         words = tl.load(w_ptr + expert * rows * N + (offs_k[:, None] // (32 // BITS)) * N + offs_n[None, :],
                         mask=mask, other=0)
-        q = (words >> ((offs_k[:, None] % (32 // BITS)) * BITS)) & ((1 << BITS) - 1)
-        q = (q | MAGIC).to(tl.float32, bitcast=True) - MAGIC_VALUE
+        q = _to_float((words >> ((offs_k[:, None] % (32 // BITS)) * BITS)) & ((1 << BITS) - 1))
         groups = tl.cdiv(K, group_size)
         group = k0 // group_size
         scale = tl.load(s_ptr + (expert * groups + group) * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
