@@ -154,3 +154,104 @@ def test_bad_input_is_one_line_and_leaves_nothing(llama_dir, tmp_path, capsys, m
     code, err = run(llama_dir, "--format", "onnx", "-o", tmp_path / "d")
     assert code == 2 and "boom" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
+
+
+# --- int4: MatMulNBits from the checkpoint's integers -------------------------------------------
+
+FAST = dict(samples=8, seq_len=128)
+
+
+def nbits_dequantized(export_dir, node_name: str) -> np.ndarray:
+    """Run one exported MatMulNBits node alone on the identity matrix: its weight [K, N] as ORT sees it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(export_dir / "model.onnx"))
+    node = next(n for n in model.graph.node if n.name == node_name)
+    inits = {t.name: t for t in model.graph.initializer}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, n = attrs["K"], attrs["N"]
+    tensors = [numpy_helper.from_array(numpy_helper.to_array(inits[name]), f"w{i}") for i, name in enumerate(node.input[1:])]
+    single = helper.make_node("MatMulNBits", ["A", *(t.name for t in tensors)], ["Y"], domain="com.microsoft", **attrs)
+    graph = helper.make_graph([single], "one", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [k, n])], tensors)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                          ir_version=8)
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"A": np.eye(k, dtype=np.float32)})[0]
+
+
+def kl_mean(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p, q = torch.from_numpy(p_logits).log_softmax(-1), torch.from_numpy(q_logits).log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("scheme,method,group", [("W4A16", "awq", 128), ("W4A16", "gptq", 64),
+                                                 ("W4A16_ASYM", "rtn", 32)])
+def test_int4_matmulnbits_bit_exact_with_checkpoint(llama_dir, tmp_path, scheme, method, group):
+    from quantship.formats.onnx_weights import read_layer
+    from quantship.models.loader import Checkpoint
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme=scheme, method=method, group_size=group, **FAST),
+             progress=False)
+    result = export_onnx(tmp_path / "q", tmp_path / "onnx", OnnxOptions(type="int4"))
+    assert result.linears == {"int4 from the checkpoint's integers": 14}
+    graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 14 and not [n for n in graph.node if n.op_type == "MatMul" and "proj" in n.name]
+    assert all(n.domain == "com.microsoft" for n in nodes)
+    assert {a.i for n in nodes for a in n.attribute if a.name == "block_size"} == {group}
+    assert all(("zero_points" in "".join(n.input) or n.input[-1].endswith("_zp")) == (scheme == "W4A16_ASYM")
+               for n in nodes)
+    ck = Checkpoint(tmp_path / "q")
+    for layer in range(2):
+        _, stored = read_layer(ck, layer)
+        for module, q in stored.items():
+            part = module.split(".")[0] + "/" + module.split(".")[1]
+            got = nbits_dequantized(tmp_path / "onnx", f"/model/layers.{layer}/{part}/MatMulNBits")
+            assert np.array_equal(got, q.dequantize().t().numpy()), module  # bit for bit
+    # the whole graph against our model running the same checkpoint
+    ours, m = load_model(tmp_path / "q"), OnnxModel(tmp_path / "onnx")
+    ids = window()
+    with torch.no_grad():
+        expected = ours(ids).float().numpy()
+    assert kl_mean(expected, m.logits(ids.numpy())) < 1e-6
+    prompt = ids[0, :8].tolist()
+    assert m.greedy(prompt, 32) == list(generate_tokens(ours, prompt, 32))
+
+
+def test_int4_refuses_other_grids(llama_dir, tmp_path, capsys):
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme="W8A16", **FAST), progress=False)
+    code = main(["export", str(tmp_path / "q"), "--format", "onnx", "-o", str(tmp_path / "o"), "--type", "int4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "int4 export takes W4A16" in err and "8-bit" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_int4_from_full_precision_deepseek(tmp_path, tiny_fp32):
+    """RTN int4 of the bundled V3 model (experts included) in MatMulNBits: close to fp32, bit-exact to RTN."""
+    from quantship.models.loader import Checkpoint
+    from quantship.quant.rtn import rtn_quantize
+    from quantship.quant.scheme import WeightQuant
+
+    result = export_onnx(TINY_DIR, tmp_path / "int4", OnnxOptions(type="int4"))
+    assert result.linears == {"int4 RTN group 128": 232}
+    weight = Checkpoint(TINY_DIR).layer_state(1)["mlp.experts.3.down_proj.weight"]
+    expected = rtn_quantize(weight, WeightQuant(4, "int", True, "group", 128)).dequantize()
+    got = nbits_dequantized(tmp_path / "int4", "/model/layers.1/mlp/experts.3/down_proj/MatMulNBits")
+    assert np.array_equal(got, expected.t().numpy())
+    ours = load_model(TINY_DIR)  # the same RTN applied to our model's Linears
+    for layer in ours.model.layers:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(rtn_quantize(module.weight, WeightQuant(4, "int", True, "group", 128)).dequantize())
+    ids = window(1, 64)
+    with torch.no_grad():
+        expected = ours(ids).numpy()
+    got = OnnxModel(tmp_path / "int4").logits(ids.numpy())
+    assert kl_mean(expected, got) < 1e-6
+    assert kl_mean(OnnxModel(tiny_fp32).logits(ids.numpy()), got) > 1e-3  # and int4 is not fp32
+    assert (tmp_path / "int4" / "model.onnx.data").stat().st_size < 0.5 * (tiny_fp32 / "model.onnx.data").stat().st_size
