@@ -68,6 +68,9 @@ class GQAttention(nn.Module):
         k = self.rotary(self.split_heads(self.k_proj(x), self.kv_heads, self.k_norm).transpose(0, 1), cos, sin)
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         batch.write(index, torch.cat((k.reshape(n, -1), self.v_proj(x)), dim=-1))
+        decoded = batch.decode_attention(index, q, self.kv_heads, self.scale)
+        if decoded is not None:
+            return self.o_proj(decoded.reshape(n, -1))[None]
         context = batch.context(index).to(x.dtype)  # [S, K, 2 * kv_heads * D]
         s, length = context.shape[:2]
         k, v = context.view(s, length, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)

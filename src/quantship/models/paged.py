@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from quantship.kernels import paged_attention
 from quantship.models.config import ModelConfig
 
 # cuDNN's SDPA builds a new execution graph for every new key length (about 1.3 ms of host time per
@@ -42,6 +43,11 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return cache_width(config) * config.num_hidden_layers * dtype.itemsize
 
 
+def use_decode_kernel(q: torch.Tensor) -> bool:
+    """The decode kernel runs on CUDA (a function, so a test can send CPU tensors to Triton's interpreter)."""
+    return q.is_cuda
+
+
 @dataclass
 class PagedBatch:
     kv: list[torch.Tensor]  # per layer [num_slots, width]
@@ -51,6 +57,7 @@ class PagedBatch:
     unpad_index: torch.Tensor  # [N] positions of the valid queries in the flattened [S * Q]
     key_slots: torch.Tensor  # [S, K] cache slot of each sequence's keys, positions 0..K-1
     mask: torch.Tensor  # [S, 1, Q, K] bool: causal and within the sequence's context
+    key_lengths: torch.Tensor  # [S] int32: keys each sequence's last query sees (its context after the step)
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def cos_sin(self, rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +81,15 @@ class PagedBatch:
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """[S, Q, ...] → [N, ...], in the flat order (an index, not a mask: no device sync)."""
         return padded.flatten(0, 1)[self.unpad_index]
+
+    def decode_attention(self, layer: int, q: torch.Tensor, kv_heads: int, scale: float) -> torch.Tensor | None:
+        """For a decode step on CUDA (one query per sequence): attention over [N, H, D] queries read
+        straight from the paged cache (kernels/paged_attention.py). None where the general path must run."""
+        heads, dim = q.shape[1], q.shape[2]
+        if not (use_decode_kernel(q) and self.query_index.shape[1] == 1
+                and paged_attention.supports(dim, heads, kv_heads)):
+            return None
+        return paged_attention.decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, kv_heads, scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [S, H, Q, D] over k/v [S, H, K, *] under this step's causal-and-length mask."""
@@ -106,7 +122,7 @@ class PagedBatch:
         slots = key_slots.gather(1, query_positions)[query_valid]
         unpad_index = query_valid.flatten().nonzero()[:, 0]
         batch = cls(kv, slots.to(device), query_index.to(device), query_valid.to(device), unpad_index.to(device),
-                    key_slots.to(device), mask[:, None].to(device))
+                    key_slots.to(device), mask[:, None].to(device), (start + count).to(torch.int32).to(device))
         return batch, positions.to(device)
 
 
