@@ -372,3 +372,18 @@ def test_distill_architectures_round_trip(distills, tmp_path, kind, arch, marker
     with torch.no_grad():
         p, q = base.load_model()(ids).log_softmax(-1), g.load_model()(ids).log_softmax(-1)
     assert float((p.exp() * (p - q)).sum(-1).mean()) < 1e-4  # F16 weights: only their rounding differs
+
+
+def test_deepseek_fp8_source_exports_as_the_model_it_stands_for(tmp_path):
+    """DeepSeek-V3/R1 as published (FP8 blocks + an MTP layer): the GGUF holds the dequantized weights,
+    without the MTP layer (llama.cpp's converter drops it too)."""
+    from fp8_models import convert_to_fp8
+
+    from quantship.models.bundled import TINY_DIR
+
+    fp8 = convert_to_fp8(TINY_DIR, tmp_path / "fp8")
+    result = export_gguf(fp8, tmp_path / "fp8.gguf", GGUFOptions(type="F16"))
+    g = GGUFCheckpoint(result.path)
+    assert not any(name.startswith("blk.8.") for name in g.tensors) and g.config.num_hidden_layers == 8
+    ours = Checkpoint(fp8).layer(3).self_attn.q_b_proj.weight
+    assert torch.equal(g.read("blk.3.attn_q_b.weight"), ours.half().float())
