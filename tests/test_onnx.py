@@ -255,3 +255,104 @@ def test_int4_from_full_precision_deepseek(tmp_path, tiny_fp32):
     assert kl_mean(expected, got) < 1e-6
     assert kl_mean(OnnxModel(tiny_fp32).logits(ids.numpy()), got) > 1e-3  # and int4 is not fp32
     assert (tmp_path / "int4" / "model.onnx.data").stat().st_size < 0.5 * (tiny_fp32 / "model.onnx.data").stat().st_size
+
+
+# --- int8: QDQ, dynamic per token and static from calibration ------------------------------------
+
+def test_int8_dynamic_equals_our_w8a8(llama_dir, tmp_path):
+    """A W8A8 checkpoint (int8 weights per channel, int8 activations per token) runs the same in ONNX Runtime."""
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme="W8A8", **FAST), progress=False)
+    result = export_onnx(tmp_path / "q", tmp_path / "onnx", OnnxOptions(type="int8-dynamic"))
+    assert result.linears == {"int8 from the checkpoint's integers": 14}
+    graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("QuantizeLinear") == 14 and ops.count("DequantizeLinear") == 28
+    assert {t.data_type for t in graph.initializer if t.name.endswith("weight_quantized")} == {onnx.TensorProto.INT8}
+    ours = load_model(tmp_path / "q")
+    ids = window()
+    with torch.no_grad():
+        expected = ours(ids).float().numpy()
+    # ONNX Runtime's extended optimizations fuse DequantizeLinear + MatMul into an 8-bit MatMulNBits that
+    # computes with int8 activations per block by default (accuracy level 4): a little extra rounding.
+    m = OnnxModel(tmp_path / "onnx")
+    assert kl_mean(expected, m.logits(ids.numpy())) < 1e-4
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    m.session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    assert kl_mean(expected, m.logits(ids.numpy())) < 5e-6  # float compute: only per-token rounding ties differ
+    with pytest.raises(QuantshipError, match="already quantized"):
+        export_onnx(tmp_path / "q", tmp_path / "static", OnnxOptions(type="int8-static"))
+
+
+def test_int8_static_scales_equal_onnxruntime_quantize_static(llama_dir, llama_fp32, tmp_path):
+    """Same calibration windows: our activation scales and zero points are quantize_static's (MinMax, QInt8,
+    QDQ), and both int8 graphs stay close to fp32."""
+    from onnx import numpy_helper
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from quantship.formats.onnx_calibrate import calibration_windows
+    from quantship.models.loader import Checkpoint
+
+    result = export_onnx(llama_dir, tmp_path / "ours", OnnxOptions(type="int8-static", samples=16, seq_len=128))
+    assert result.calibration["samples"] == 16 and result.calibration["fallbacks"] == []
+    fp32 = OnnxModel(llama_fp32)
+    tokens, _ = calibration_windows(Checkpoint(llama_dir), None, 16, 128)
+
+    class Windows(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter({"input_ids": w[None].numpy(), "attention_mask": np.ones((1, 128), np.int64),
+                               "position_ids": np.arange(128)[None], **fp32.empty_cache(1)} for w in tokens)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    graph = onnx.load(str(llama_fp32 / "model.onnx"), load_external_data=False).graph
+    linears = [n for n in graph.node if n.op_type == "MatMul" and n.name.endswith("_proj/MatMul")]
+    (tmp_path / "ort").mkdir()
+    quantize_static(str(llama_fp32 / "model.onnx"), str(tmp_path / "ort" / "model.onnx"), Windows(),
+                    quant_format=QuantFormat.QDQ, nodes_to_quantize=[n.name for n in linears], per_channel=True,
+                    op_types_to_quantize=["MatMul"], activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    use_external_data_format=True)
+    theirs = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "ort" / "model.onnx")).graph.initializer}
+    ours = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "ours" / "model.onnx")).graph.initializer}
+    our_nodes = {n.name: n for n in onnx.load(str(tmp_path / "ours" / "model.onnx"), load_external_data=False).graph.node}
+    assert len(linears) == 14
+    for node in linears:
+        q = our_nodes[node.name.replace("/MatMul", "/input_QuantizeLinear")]
+        np.testing.assert_allclose(ours[q.input[1]], theirs[node.input[0] + "_scale"], rtol=1e-5)
+        assert ours[q.input[2]] == theirs[node.input[0] + "_zero_point"]
+    ids = window(2, 64).numpy()
+    reference = fp32.logits(ids)
+    kl_ours = kl_mean(reference, OnnxModel(tmp_path / "ours").logits(ids))
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / "ort" / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(64), (2, 1)),
+             **fp32.empty_cache(2)}
+    kl_theirs = kl_mean(reference, session.run(["logits"], feeds)[0])
+    assert 0 < kl_ours < 1e-3 and 0 < kl_theirs < 1e-3 and kl_ours < 3 * kl_theirs, (kl_ours, kl_theirs)
+
+
+def test_int8_static_deepseek_experts_without_tokens(tmp_path, tiny_fp32):
+    """Experts no calibration token reached get a range (MoE input / widest down_proj), never NaN."""
+    result = export_onnx(TINY_DIR, tmp_path / "s", OnnxOptions(type="int8-static", samples=1, seq_len=2))
+    assert result.linears == {"int8 RTN per channel": 232}
+    info = json.loads((tmp_path / "s" / "quantship_onnx.json").read_text())
+    assert info["calibration"]["fallbacks"], "2 tokens reach at most 4 of 8 experts"
+    assert all("experts." in name for name in info["calibration"]["fallbacks"])
+    ids = window(1, 48).numpy()
+    got = OnnxModel(tmp_path / "s").logits(ids)
+    # two calibration tokens clip a lot: this checks the graph is sane, not that the scales are good
+    assert np.isfinite(got).all() and kl_mean(OnnxModel(tiny_fp32).logits(ids), got) < 1.0
+    from quantship.formats.onnx_calibrate import calibrate_ranges
+    from quantship.models.loader import Checkpoint
+
+    ranges, calib = calibrate_ranges(Checkpoint(TINY_DIR), None, 1, 2)
+    for name in calib["fallbacks"]:
+        layer = name.split(".mlp.")[0]
+        if not name.endswith("down_proj"):
+            assert ranges[name] == ranges[f"{layer}.mlp.shared_experts.gate_proj"]
