@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from quantship import __version__
 from quantship.bench.load import CAP_REQUESTS, PROFILES
 from quantship.errors import QuantshipError
+from quantship.files import check_output_location
 
 DEFAULT_REQUESTS = 100
 DEFAULT_CONCURRENCY = 32
@@ -96,6 +97,7 @@ def validate(opts: BenchOptions) -> None:
         raise QuantshipError("--rate applies to --profile constant or poisson (sweep finds its own rates)")
     if opts.prompts and opts.input_len:
         raise QuantshipError("give --input-len or --prompts, not both")
+    check_output_location(Path(opts.output) / "bench.json", "output")  # before the load, not after it
 
 
 async def _drive(target, opts: BenchOptions, progress):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantship.errors import QuantshipError
+from quantship.files import check_output_location
 
 # format name → "module:function"
 EXPORT_FORMATS = {"gguf": "quantship.formats.export:export_gguf_request",
@@ -33,6 +34,7 @@ class ExportRequest:
 def export(fmt: str, request: ExportRequest) -> list[str]:
     if fmt not in EXPORT_FORMATS:
         raise QuantshipError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    check_output_location(Path(request.output), "output")  # in one line now, not a traceback after the work
     module, function = EXPORT_FORMATS[fmt].split(":")
     return getattr(importlib.import_module(module), function)(request)
 

@@ -10,6 +10,7 @@ from quantship.models.bundled import TINY_DIR, bundled_texts
 from quantship.models.causal_lm import CausalLM
 from quantship.models.loader import Checkpoint
 from quantship.models.paged import cache_width, full_kv_width
+from quantship.models.shards import check_shard
 
 
 def parameter_counts(checkpoint: Checkpoint) -> tuple[int, int]:
@@ -29,6 +30,8 @@ def parameter_counts(checkpoint: Checkpoint) -> tuple[int, int]:
 def model_info(path: Path) -> dict:
     ck = Checkpoint(path)
     c = ck.config
+    for shard in sorted(set(ck.files.values())):  # a size is only reported for weights that can be read
+        check_shard(shard)
     total, active = parameter_counts(ck)
     info = {
         "path": str(ck.path.resolve()),

@@ -1,0 +1,31 @@
+"""Integrity of a safetensors shard without reading its tensors: the header parses and the file is
+exactly as long as the header says. A truncated download then fails `info` in one line instead of a
+load minutes later (safetensors refuses a file whose length differs from its header's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantship.errors import QuantshipError
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def check_shard(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+        if length is None or length > min(size - 8, MAX_HEADER_BYTES):
+            raise QuantshipError(f"truncated or not a safetensors file ({size} bytes, no complete header)", path)
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        data_bytes = max((int(end) for end in ends), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise QuantshipError(f"corrupt safetensors header ({exc})", path) from None
+    if 8 + length + data_bytes != size:
+        raise QuantshipError(f"truncated safetensors file: its header describes {8 + length + data_bytes} bytes, "
+                             f"the file holds {size}", path)
