@@ -70,3 +70,72 @@ class OnnxModel:
             out.append(token)
             ids = np.array([[token]], dtype=np.int64)
         return out
+
+
+class OnnxCache:
+    """The graph's present tensors, fed back as the next call's past."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays, self.length = arrays, 0
+
+
+class OnnxCausalLM:
+    """An exported directory behind our CausalLM's calling convention (model(ids, cache=...) → logits),
+    so verify's comparisons and the plain generation loop run ONNX Runtime unchanged."""
+
+    def __init__(self, directory: str | Path):
+        self.runner = OnnxModel(directory)
+        self.config = self.runner.config
+
+    def __call__(self, input_ids, positions=None, cache: OnnxCache | None = None):
+        import torch
+
+        ids = input_ids.cpu().numpy()
+        if cache is None:
+            logits, _ = self.runner.step(ids, self.runner.empty_cache(len(ids)), 0)
+        else:
+            logits, cache.arrays = self.runner.step(ids, cache.arrays, cache.length)
+            cache.length += ids.shape[1]
+        return torch.from_numpy(logits)
+
+    def new_cache(self) -> OnnxCache:
+        return OnnxCache(self.runner.empty_cache(1))
+
+    def parameters(self):
+        import torch
+
+        yield torch.zeros(())  # the generation loop takes its device from here: the CPU
+
+    def eval(self):
+        return self
+
+
+class OnnxCheckpoint:
+    """An ONNX export opened as verify's QUANT: its config, its type, and the runner as the model."""
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory)
+        self.config = load_config(self.path)
+        try:
+            self.info = json.loads((self.path / INFO_FILE).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise QuantshipError(f"unreadable {INFO_FILE} ({exc})", self.path) from None
+
+    @property
+    def type(self) -> str:
+        return str(self.info.get("type", "fp32"))
+
+    def load_model(self, dtype=None, device="cpu") -> OnnxCausalLM:
+        if str(device) != "cpu":
+            raise QuantshipError("an ONNX export is verified on the CPU (ONNX Runtime's CPU provider)", self.path)
+        return OnnxCausalLM(self.path)
+
+    # verify's per-layer sensitivity swaps modules of our model; an ONNX graph only runs whole
+    swappable_layers = False
+
+    def recipe(self) -> dict:
+        """What verify reports as the scheme, and whose default gates apply (int4 is held to W4A16's)."""
+        recipe = {"scheme": f"ONNX {self.type}", "gates_scheme": "W4A16" if self.type == "int4" else "W8A16"}
+        if "calibration" in self.info:
+            recipe["calibration"] = self.info["calibration"]
+        return recipe

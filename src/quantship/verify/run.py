@@ -46,7 +46,18 @@ class VerifyOptions:
     bootstrap: int = 1000
 
 
+def _open_quant(quant):
+    """QUANT as (path, checkpoint): an ONNX export directory is run by ONNX Runtime, not rebuilt in torch."""
+    if quant is not None and (Path(quant) / "model.onnx").is_file():
+        from quantship.formats.onnx_runtime import OnnxCheckpoint
+
+        return Path(quant), OnnxCheckpoint(quant)
+    return open_checkpoint(quant)
+
+
 def _recipe(path: Path, ck) -> dict:
+    if hasattr(ck, "recipe"):  # an ONNX export says what it holds
+        return ck.recipe()
     if isinstance(ck, GGUFCheckpoint):
         # Default gates by bits: Q8_0 and the float types are held to W8A16's thresholds, the rest to W4A16's.
         return {"scheme": f"GGUF {ck.file_type}",
@@ -75,7 +86,7 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
     """Compare QUANT with BASE; returns the report dict (gates included when asked for)."""
     base_path = resolve_model(base)
     base_ck = Checkpoint(base_path)
-    quant_path, quant_ck = open_checkpoint(quant)  # a model directory or a .gguf file
+    quant_path, quant_ck = _open_quant(quant)  # a model directory, a .gguf file or an ONNX export
     if base_ck.config.architecture != quant_ck.config.architecture:
         raise QuantshipError(f"architectures differ: BASE is {base_ck.config.architecture}, QUANT is "
                              f"{quant_ck.config.architecture}", quant_path)
@@ -115,7 +126,7 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
         "kl_histogram": E.kl_histogram(records),
         "by_position": E.by_position(records, ctx),
     }
-    if opts.sensitivity:
+    if opts.sensitivity and getattr(quant_ck, "swappable_layers", True):
         srows = E.chunk_rows(ids, min(ctx, opts.sensitivity_ctx), None)[: opts.sensitivity_rows]
         step("sensitivity", len(S.units(base_model)))
         report["sensitivity"] = S.measure(base_model, quant_model, srows, device, progress=lambda: step())
