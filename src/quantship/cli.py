@@ -250,7 +250,8 @@ def cmd_bench(args) -> int:
         burstiness=args.burstiness, steps=args.steps, requests=args.requests, duration=args.duration,
         input_len=args.input_len, output_len=args.output_len, prompts=args.prompts, tokenizer=args.tokenizer,
         slo=args.slo, output=args.output, baseline=args.baseline, tolerance=args.tolerance, gate_file=args.gate_file,
-        timeout=args.timeout, allow_remote=args.allow_remote, details=args.details, seed=args.seed))
+        timeout=args.timeout, allow_remote=args.allow_remote, details=args.details, seed=args.seed,
+        otlp_endpoint=args.otlp_endpoint))
 
 
 def cmd_serve(args) -> int:
@@ -262,7 +263,7 @@ def cmd_serve(args) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
         prefix_caching=not args.no_prefix_caching,
         inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate,
-        request_timeout_s=args.request_timeout))
+        request_timeout_s=args.request_timeout, otlp_endpoint=args.otlp_endpoint))
 
 
 def cmd_deploy(args) -> int:
@@ -612,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote", action="store_true", help="allow a host that is not this machine")
     p.add_argument("--details", action="store_true", help="per-request arrays in bench.json (ttfts, itls, ...)")
     p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times (default 0)")
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="trace every request with OpenTelemetry (OTLP/HTTP, e.g. http://127.0.0.1:4318) and send "
+                        "its traceparent, so a traced server's spans join the same trace")
 
     p = add("serve", "Serve a model over an OpenAI-compatible HTTP API with vLLM's Prometheus metrics.", cmd_serve)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
@@ -637,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="canary drills only: delay every /v1 request by MS (counted in TTFT and E2E)")
     p.add_argument("--inject-error-rate", type=number(0, 1), default=0.0, metavar="P",
                    help="canary drills only: answer this share of /v1 requests with 500")
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="OpenTelemetry request traces over OTLP/HTTP, e.g. http://127.0.0.1:4318 (default off; "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_* variables work too)")
 
     p = add("deploy", "Kubernetes manifests for a served model (GPU scheduling, Guaranteed QoS, startup budget, "
                       "queue autoscaling, canary), validated offline; `deploy validate DIR`, `deploy verify MODEL`.",

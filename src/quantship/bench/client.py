@@ -71,9 +71,10 @@ class Session:
     each request in flight has its own connection and none waits in aiohttp's pool.
     """
 
-    def __init__(self, url: str, limit: int | None = None):
+    def __init__(self, url: str, limit: int | None = None, tracer=None):
         self.url = url
         self.limit = limit or 0  # aiohttp's 0 is no limit
+        self.tracer = tracer  # a bench.tracing.ClientTracer, or None
         self.http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "Session":
@@ -92,7 +93,7 @@ class Session:
     async def __aexit__(self, *exc) -> None:
         await self.http.close()
 
-    async def post(self, body: bytes, deadline: float) -> aiohttp.ClientResponse:
+    async def post(self, body: bytes, deadline: float, headers: dict | None = None) -> aiohttp.ClientResponse:
         """POST `body` and return once the status and headers are in, the body still to read.
 
         A server closes idle keep-alive connections on its own clock (uvicorn after 5 s, llama.cpp's
@@ -105,12 +106,12 @@ class Session:
         """
         reused = SimpleNamespace(reused=False)
         try:
-            return await self.http.post(self.url, data=body, trace_request_ctx=reused,
+            return await self.http.post(self.url, data=body, trace_request_ctx=reused, headers=headers,
                                         timeout=_timeout(deadline))
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if not reused.reused or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
-        return await self.http.post(self.url, data=body, timeout=_timeout(deadline))
+        return await self.http.post(self.url, data=body, headers=headers, timeout=_timeout(deadline))
 
 
 async def _mark_reused(session, trace_config_ctx, params) -> None:
@@ -129,8 +130,9 @@ async def stream_completion(session: Session, payload: dict, record: RequestReco
     body = json.dumps(payload).encode()
     start = time.perf_counter()
     record.sent = start - t0
+    span, headers = session.tracer.start(session.url, record) if session.tracer is not None else (None, None)
     try:
-        await _exchange(session, body, record, t0, start + timeout)
+        await _exchange(session, body, record, t0, start + timeout, headers)
     except asyncio.TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
         record.error = "timeout"
     except aiohttp.ClientSSLError:  # a certificate that does not verify, a handshake that fails
@@ -148,13 +150,16 @@ async def stream_completion(session: Session, payload: dict, record: RequestReco
         record.error = "connection error"
     record.finished = time.perf_counter() - t0
     record.ok = record.error is None
+    if span is not None:
+        session.tracer.end(span, record)
     return record
 
 
-async def _exchange(session: Session, body: bytes, record: RequestRecord, t0: float, deadline: float) -> None:
+async def _exchange(session: Session, body: bytes, record: RequestRecord, t0: float, deadline: float,
+                    headers: dict | None = None) -> None:
     # Leaving `async with` releases the connection for the next request when the body was read to its
     # end, and closes it otherwise (an error, a timeout, a cancelled task), so the server can stop.
-    async with await session.post(body, deadline) as response:
+    async with await session.post(body, deadline, headers) as response:
         if response.status != 200:
             record.error = f"HTTP {response.status}"
             error_body = b""

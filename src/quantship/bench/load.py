@@ -45,6 +45,7 @@ class Target:
     requests: int | None = None  # per step; one of requests and duration bounds a step
     duration: float | None = None
     seed: int = 0
+    tracer: object = None  # a bench.tracing.ClientTracer: every request carries a traceparent
 
 
 @dataclass
@@ -89,7 +90,7 @@ async def run_step(target: Target, step: Step, stop: asyncio.Event, progress: Pr
     progress.start_step(step, target.requests, target.duration)
     cap = step.concurrency if step.kind != "synchronous" else 1
     started = 0
-    async with Session(target.url, limit=cap) as session:
+    async with Session(target.url, limit=cap, tracer=target.tracer) as session:
         t0 = time.perf_counter()
         deadline = t0 + target.duration if target.duration else float("inf")
         gate = asyncio.Semaphore(cap) if cap else None

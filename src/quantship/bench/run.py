@@ -50,6 +50,7 @@ class BenchOptions:
     allow_remote: bool = False
     details: bool = False
     seed: int = 0
+    otlp_endpoint: str | None = None
 
 
 def check_url(url: str, allow_remote: bool) -> str:
@@ -97,6 +98,10 @@ def validate(opts: BenchOptions) -> None:
         raise QuantshipError("--rate applies to --profile constant or poisson (sweep finds its own rates)")
     if opts.prompts and opts.input_len:
         raise QuantshipError("give --input-len or --prompts, not both")
+    if opts.otlp_endpoint is not None:
+        from quantship.server.tracing import traces_url
+
+        traces_url(opts.otlp_endpoint)
     check_output_location(Path(opts.output) / "bench.json", "output")  # before the load, not after it
 
 
@@ -171,11 +176,16 @@ def run_bench(opts: BenchOptions, console=None, err_console=None) -> int:
         detail = f": {probe.detail}" if probe.detail else ""
         raise QuantshipError(f"a test request to {base}/v1/completions (model {model!r}) failed with "
                              f"{probe.error}{detail}")
-    target = Target(f"{base}/v1/completions", model, prompts, opts.output_len, opts.timeout, requests, opts.duration,
-                    opts.seed)
+    from quantship.bench.tracing import build_client_tracer
 
-    with view.LiveProgress(err_console) as progress:
-        results, interrupted = asyncio.run(_drive(target, opts, progress))
+    target = Target(f"{base}/v1/completions", model, prompts, opts.output_len, opts.timeout, requests, opts.duration,
+                    opts.seed, build_client_tracer(opts.otlp_endpoint))
+    try:
+        with view.LiveProgress(err_console) as progress:
+            results, interrupted = asyncio.run(_drive(target, opts, progress))
+    finally:
+        if target.tracer is not None:
+            target.tracer.shutdown()  # export the last batch of spans
 
     summaries = [stats.summarize(r, slo) for r in results]
     meta = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "tool": f"quantship {__version__}",

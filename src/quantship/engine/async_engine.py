@@ -164,11 +164,12 @@ class AsyncEngine:
             with self._streams_lock:
                 stream = self._streams.pop(output.request_id, None) if output.finished else \
                     self._streams.get(output.request_id)
-            if stream is not None:
-                stream._put(output)
+            # Listeners first: when the client sees the end, its metrics and trace are already recorded.
             if output.finished and output.metrics is not None:
                 for listener in self._listeners:
                     listener(output.metrics)
+            if stream is not None:
+                stream._put(output)
 
     def _run(self) -> None:
         try:

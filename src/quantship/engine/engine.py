@@ -143,18 +143,22 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
+        prefills = [(seq, count) for seq, count in scheduled if seq.is_prefilling]
+        started = time.monotonic()
         finished_chunks, logits = self.runner.run(scheduled)
         for seq, count in scheduled:
             seq.num_computed += count
             self.blocks.register_full_blocks(seq)
-        if logits is None:
-            return outputs
-        tokens, logprobs = sample(logits, [s.params for s in finished_chunks],
-                                  [s.generator_on(logits.device) for s in finished_chunks],
-                                  [s.params.logprobs for s in finished_chunks])
+        if logits is not None:
+            tokens, logprobs = sample(logits, [s.params for s in finished_chunks],
+                                      [s.generator_on(logits.device) for s in finished_chunks],
+                                      [s.params.logprobs for s in finished_chunks])
         now = time.monotonic()
-        for seq, token, logprob in zip(finished_chunks, tokens, logprobs):
-            outputs.append(self._append(seq, token, logprob, now))
+        for seq, count in prefills:
+            seq.metrics.prefill_chunks.append((started, now, count))
+        if logits is not None:
+            for seq, token, logprob in zip(finished_chunks, tokens, logprobs):
+                outputs.append(self._append(seq, token, logprob, now))
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, now: float) -> RequestOutput:
@@ -171,7 +175,11 @@ class LLMEngine:
         params = seq.params
         stop_token = token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
         tracker = self.texts.get(seq.request_id)
-        hit_stop_string = tracker.add(seq.output_ids, stop_token) if tracker is not None else False
+        hit_stop_string = False
+        if tracker is not None:
+            started = time.monotonic()
+            hit_stop_string = tracker.add(seq.output_ids, stop_token)
+            m.note_detokenize(started, time.monotonic())
         if stop_token or hit_stop_string:
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -95,4 +95,5 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         self.num_preemptions += 1
+        seq.metrics.preemptions += 1
         self._enqueue(seq)  # by rank: it arrived early, so it is near the front

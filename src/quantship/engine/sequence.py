@@ -29,6 +29,19 @@ class RequestMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finish_reason: str | None = None
+    request_id: str = ""
+    # What a request trace shows beyond the latencies (recorded always: a few appends per request).
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (step start, end, tokens)
+    preemptions: int = 0
+    detokenize_s: float = 0.0  # time spent turning tokens into text, summed over the steps
+    detokenize_first: float | None = None  # the first and last moments detokenization ran
+    detokenize_last: float | None = None
+
+    def note_detokenize(self, start: float, end: float) -> None:
+        self.detokenize_s += end - start
+        if self.detokenize_first is None:
+            self.detokenize_first = start
+        self.detokenize_last = end
 
     @property
     def queue_time(self) -> float | None:
@@ -63,7 +76,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival=time.monotonic() if arrival is None else arrival,
-                                      prompt_tokens=len(prompt_ids))
+                                      prompt_tokens=len(prompt_ids), request_id=request_id)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator_on(self, device: torch.device) -> torch.Generator | None:

@@ -85,10 +85,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: ServerMetrics | None = None,
                served_model_name: str | None = None, faults: dict | None = None,
-               request_timeout_s: float | None = None) -> FastAPI:
+               request_timeout_s: float | None = None, tracer=None) -> FastAPI:
     """faults: {"latency_s": .., "error_rate": ..} for canary drills (see server/faults.py).
     request_timeout_s: a request still unfinished this long after arriving is stopped (finish_reason
-    "timeout") and its blocks freed, so a stuck queue cannot hold clients forever."""
+    "timeout") and its blocks freed, so a stuck queue cannot hold clients forever.
+    tracer: a server.tracing.RequestTracer (None: no tracing, no OpenTelemetry import)."""
     engine = async_engine.engine
     tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
     model_name = served_model_name or async_engine.model_name
@@ -100,6 +101,12 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
     if faults:
         app.add_middleware(FaultInjector, **faults)  # inside the Gatekeeper: injected 500s are counted
     app.add_middleware(Gatekeeper, api_key=api_key, metrics=metrics)
+    app.state.tracer = tracer
+    if tracer is not None:
+        from quantship.server.tracing import TracingMiddleware
+
+        async_engine.add_listener(tracer.on_finished)
+        app.add_middleware(TracingMiddleware, tracer=tracer)  # outermost: refused requests are traced too
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -144,18 +151,27 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
         params = body.sampling_params(resolve_max_tokens(max_tokens, default_max, len(prompt_ids)), kind.logprobs)
         if not async_engine.accepting:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        span = getattr(request.state, "otel_span", None)
+        if span is not None:
+            span.set_attributes({"quantship.priority": body.priority, "gen_ai.request.model": model_name,
+                                 "gen_ai.request.max_tokens": params.max_tokens})
+            tracer.bind(kind.request_id, span)
         try:
             # vLLM's priority: lower is served first; the engine ranks higher classes first.
             stream = async_engine.submit(prompt_ids, params, priority=-body.priority, request_id=kind.request_id,
                                          arrival=getattr(request.state, "received_at", None),
                                          timeout_s=request_timeout_s)
         except QueueFull as exc:
+            if span is not None:
+                tracer.unbind(kind.request_id)
             if not async_engine.accepting:
                 raise APIError(503, "the server is shutting down", type="service_unavailable",
                                code="shutting_down") from None
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as exc:  # what only the engine knows, e.g. a prompt larger than the whole KV cache
+            if span is not None:
+                tracer.unbind(kind.request_id)
             raise APIError(400, str(exc), param=prompt_param) from None
         if body.stream:
             return StreamingResponse(stream_events(kind, stream, tokenizer), media_type="text/event-stream",

@@ -41,6 +41,7 @@ class ServeOptions:
     inject_latency_ms: float = 0.0  # canary drills: a deliberately worse server
     inject_error_rate: float = 0.0
     request_timeout_s: float | None = None
+    otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/HTTP (or the OTEL_* variables)
 
 
 def default_model_name(path: Path) -> str:
@@ -72,6 +73,10 @@ def _check(opts: ServeOptions) -> None:
         raise QuantshipError("--inject-latency-ms must be >= 0 and --inject-error-rate in [0, 1]")
     if opts.api_key_file is not None:
         opts.api_key = _read_api_key(Path(opts.api_key_file), opts.api_key)
+    if opts.otlp_endpoint is not None:
+        from quantship.server.tracing import traces_url
+
+        traces_url(opts.otlp_endpoint)  # a malformed URL fails now, not at the first export
 
 
 def _read_api_key(path: Path, given: str | None) -> str:
@@ -120,7 +125,11 @@ def serve(model: str | Path | None, opts: ServeOptions) -> int:
         url_host = f"[{host}]" if ":" in host else host
         log.info("serving %s at http://%s:%d/v1 (/metrics, /health, /ready)%s", name, url_host, port,
                  "; API key required on /v1/*" if opts.api_key else "")
-        asyncio.run(_run(app, async_engine, sock, opts.drain_timeout_s))
+        try:
+            asyncio.run(_run(app, async_engine, sock, opts.drain_timeout_s))
+        finally:
+            if app.state.tracer is not None:
+                app.state.tracer.shutdown()  # export the last batch of spans
     finally:
         sock.close()
     return 0
@@ -134,6 +143,7 @@ def _build(path: Path, name: str, opts: ServeOptions):
     from quantship.engine.engine import load_engine
     from quantship.models.quantized import weight_memory
     from quantship.server.app import create_app
+    from quantship.server.tracing import build_request_tracer
 
     config = EngineConfig(enable_prefix_caching=opts.prefix_caching)
     for option, field_name in (("max_queue", "max_waiting"), ("max_num_seqs", "max_num_seqs"),
@@ -159,8 +169,11 @@ def _build(path: Path, name: str, opts: ServeOptions):
         faults = {"latency_s": opts.inject_latency_ms / 1000, "error_rate": opts.inject_error_rate}
         log.warning("fault injection on: +%.0f ms per request, %.1f%% answered 500", opts.inject_latency_ms,
                     100 * opts.inject_error_rate)
+    tracer = build_request_tracer(opts.otlp_endpoint)
+    if tracer is not None:
+        log.info("tracing: OpenTelemetry spans to %s", opts.otlp_endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
     return async_engine, create_app(async_engine, api_key=opts.api_key, faults=faults,
-                                    request_timeout_s=opts.request_timeout_s)
+                                    request_timeout_s=opts.request_timeout_s, tracer=tracer)
 
 
 async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -> None:
