@@ -2,6 +2,7 @@
 and a real bench exporting OTLP/HTTP protobuf to a receiver this test runs."""
 
 import asyncio
+import concurrent.futures
 import http.server
 import json
 import signal
@@ -249,3 +250,33 @@ def test_server_and_bench_share_traces_over_otlp_http(tmp_path):
         assert all(c.trace_id == span.trace_id for c in children)
         assert span.start_time_unix_nano <= root.start_time_unix_nano <= root.end_time_unix_nano \
             <= span.end_time_unix_nano + 5_000_000  # same machine, same clock; the client closes last
+
+
+def test_preempted_request_reports_its_preemptions_and_recompute():
+    """Too few KV blocks for two requests: the later one is preempted, and its trace says so."""
+    exporter = InMemorySpanExporter()
+    config = EngineConfig(max_model_len=256, max_num_seqs=2, block_size=16, num_blocks=5,
+                          enable_prefix_caching=False)
+    engine = AsyncEngine(load_engine(TINY_DIR, config=config), "tiny")
+    engine.start()
+    try:
+        with TestClient(create_app(engine, tracer=RequestTracer(make_provider(None, "test", exporter)))) as client:
+            def ask(_):
+                body = {"prompt": "def fibonacci(n):", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+                return client.post("/v1/completions", json=body)
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(ask, range(2)))
+    finally:
+        asyncio.run(engine.shutdown(drain=False, timeout=1))
+    assert [a.status_code for a in answers] == [200, 200]
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.kind is SpanKind.SERVER]
+    preempted = [r for r in roots if r.attributes["quantship.preemptions"] > 0]
+    assert len(roots) == 2 and preempted, "5 blocks cannot hold two 50-token sequences"
+    root = preempted[0]
+    children = [s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id]
+    (decode,) = by_name(children, "decode")
+    recomputed = [p for p in by_name(children, "prefill") if p.start_time > decode.start_time]
+    assert len(recomputed) >= root.attributes["quantship.preemptions"]  # each preemption recomputes its tokens
+    assert root.attributes["gen_ai.usage.output_tokens"] == 40
