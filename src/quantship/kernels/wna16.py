@@ -14,14 +14,16 @@ input rows by BLOCK_N outputs is one coalesced load of BLOCK_K / P rows of words
 straddles a quantization group (BLOCK_K divides the group), so the scale multiplies the tile's
 partial dot product once per output instead of every weight.
 
-Small M (decode) splits K over several programs and adds the partial sums atomically (fp32), so a
-batch-1 GEMV still fills the GPU; larger M uses plain tiles. Block shapes are a fixed table per M
-class, measured on an H200 (benchmarks/kernel_wna16.py), never tuned on the request path.
+Three kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a tensor-core tile, and a
+dequantize pass that writes the bf16 weight once for cuBLAS. The small-M ones split K over several
+programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU. Which
+runs for which M is a fixed table measured on an H200 (benchmarks/kernel_wna16.py), never tuned on
+the request path. `tinygemm_pack` makes the same int4 weight for PyTorch's own decode kernel, which
+measured faster than ours at M <= 16 (models/quantized.py decides).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -98,17 +100,6 @@ def choose_blocks(m: int) -> Blocks:
 def supports(bits: int, group_size: int, in_features: int) -> bool:
     """Shapes the kernels take: 4 or 8 bits, per-channel or groups that a 16-wide tile divides."""
     return bits in (4, 8) and (group_size >= in_features or group_size % 16 == 0)
-
-
-def triton_runs_on(x: torch.Tensor) -> bool:
-    """Triton runs CUDA tensors, or any tensor under its interpreter (how CI tests the kernels on CPU)."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
