@@ -136,7 +136,7 @@ def main() -> None:
     data = {"device": args.device, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "reference_commit": REFERENCE, "requests": REQUESTS, "streams": STREAMS, "input_len": INPUT_LEN,
             "output_len": OUTPUT_LEN, "rounds": args.rounds, "otlp_exports": receiver.exports,
-            "otlp_bytes": receiver.bytes, "results": results}
+            "otlp_bytes": receiver.bytes, "load_average_1m_at_end": os.getloadavg()[0], "results": results}
     write_result(f"tracing_overhead_{args.device}", data)
     md = (f"## Request tracing: throughput with tracing off and on\n\n"
           f"`benchmarks/tracing_overhead.py --device {args.device}`: three `quantship serve` processes on the "
@@ -144,7 +144,8 @@ def main() -> None:
           f"one without and one with `--otlp-endpoint` (an OTLP/HTTP receiver in the benchmark process took "
           f"{receiver.exports} exports, {receiver.bytes / 1024:.0f} KiB). {args.rounds} alternating rounds of "
           f"{REQUESTS} requests, {STREAMS} concurrent streams, {INPUT_LEN} prompt and {OUTPUT_LEN} output tokens; "
-          f"the median round per variant, its ratio to the reference, and the range over rounds.\n\n"
+          f"the median round per variant, its ratio to the reference, and the range over rounds (load average "
+          f"{data['load_average_1m_at_end']:.1f} at the end: other work shared the machine).\n\n"
           + table(["variant", "output tokens/s (median)", "range", "ratio to reference"], rows))
     update_section(f"tracing_overhead_{args.device}", md)
     print(md)
