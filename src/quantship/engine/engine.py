@@ -143,7 +143,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        prefills = [(seq, count) for seq, count in scheduled if seq.is_prefilling]
+        # A prompt found whole in the prefix cache still computes its last token: a (short) prefill.
+        prefills = [(seq, count) for seq, count in scheduled if seq.is_prefilling or seq.metrics.first_token is None]
         started = time.monotonic()
         finished_chunks, logits = self.runner.run(scheduled)
         for seq, count in scheduled:
