@@ -14,6 +14,7 @@ from pathlib import Path
 from quantship import __version__
 from quantship.argtypes import PORT, POSITIVE, POSITIVE_FLOAT, SEED, OneLineParser, integer, module_pattern, number
 from quantship.errors import QuantshipError
+from quantship.files import check_output_location
 
 
 def _human_bytes(n: int) -> str:
@@ -166,9 +167,34 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _progress_lines(console, every_s: float = 10.0):
+    """Progress as plain lines, at most one per every_s per stage: with output redirected (a log, CI)
+    a bar prints nothing, and minutes of silence look like a hang."""
+    import contextlib
+    import time
+
+    state = {"name": "", "total": 0, "done": 0, "shown": 0.0}
+
+    def step(name=None, total=None):
+        now = time.monotonic()
+        if name is not None:
+            state.update(name=name, total=total, done=0, shown=now)
+            console.print(f"{name}: 0/{total}", highlight=False)
+            return
+        state["done"] += 1
+        if state["done"] == state["total"] or now - state["shown"] >= every_s:
+            state["shown"] = now
+            console.print(f"{state['name']}: {state['done']}/{state['total']}", highlight=False)
+
+    return contextlib.nullcontext(), step
+
+
 def _progress_callback(console):
-    """A rich progress bar driven by verify's step(name, total) / step() calls."""
+    """A rich progress bar driven by verify's step(name, total) / step() calls (lines when not on a terminal)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not console.is_terminal:
+        return _progress_lines(console)
 
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=console, transient=True)
@@ -192,6 +218,7 @@ def cmd_verify(args) -> int:
     console = Console(stderr=True)
     opts = VerifyOptions(text=args.text, ctx=args.ctx, max_tokens=args.max_tokens, gates=args.gate,
                          sensitivity=not args.no_sensitivity, generations=not args.no_generations, device=args.device)
+    check_output_location(args.report / "report.json", "report")
     bar, step = _progress_callback(console)
     with bar:
         report = verify(args.base, args.quant, opts, progress=step)
@@ -231,7 +258,8 @@ def cmd_plan(args) -> int:
     from quantship.verify.planning import make_plan, write_plan
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    plan = make_plan(args.model, args.budget_bits, schemes, method=args.method, calib=args.calib, device=args.device)
+    plan = make_plan(args.model, args.budget_bits, schemes, out=args.output, method=args.method, calib=args.calib,
+                     device=args.device)
     write_plan(plan, args.output)
     counts: dict[str, int] = {}
     for unit in plan["units"]:

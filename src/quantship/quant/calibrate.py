@@ -21,15 +21,15 @@ from quantship.errors import QuantshipError
 from quantship.models.deepseek import MoE
 
 
-def read_text_file(path: Path) -> str:
+def read_text_file(path: Path, what: str = "calibration file") -> str:
     """A UTF-8 text file, or the "text" fields of a .jsonl file joined by blank lines: read for calibration and
-    for verify's evaluation text alike. Errors still say "calibration file": `quantize --calib` users see them."""
+    for verify's evaluation text alike; `what` names it in errors."""
     if not path.is_file():
-        raise QuantshipError("calibration file not found", path)
+        raise QuantshipError(f"{what} not found", path)
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise QuantshipError("calibration file is not UTF-8 text", path) from None
+        raise QuantshipError(f"{what} is not UTF-8 text", path) from None
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(raw.splitlines(), 1):
@@ -44,7 +44,7 @@ def read_text_file(path: Path) -> str:
             texts.append(record["text"])
         raw = "\n\n".join(texts)
     if not raw.strip():
-        raise QuantshipError("calibration file is empty", path)
+        raise QuantshipError(f"{what} is empty", path)
     return raw
 
 

@@ -6,6 +6,7 @@ whole-vocabulary logits for more than one chunk, so long texts fit in memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -122,6 +123,21 @@ def by_position(rec: TokenRecords, ctx: int) -> dict:
         out["entropy_base"].append(float(rec["entropy_base"][m].mean()) if m.any() else float("nan"))
         out["entropy_quant"].append(float(rec["entropy_quant"][m].mean()) if m.any() else float("nan"))
     return out
+
+
+@functools.cache
+def reported_metrics() -> tuple[frozenset[str], frozenset[str]]:
+    """(headline keys, by-position keys) that hold numbers, read off a comparison of two random
+    four-token "models", so gates can be checked before an evaluation and the list never drifts."""
+    generator = torch.Generator().manual_seed(0)
+
+    def fake(row: torch.Tensor) -> torch.Tensor:
+        return torch.randn(1, row.shape[1], 16, generator=generator)
+
+    other = lambda row: fake(row)  # noqa: E731 -- a second object: compare() reuses the base's logits for itself
+    rec = compare(fake, other, torch.zeros(1, 4, dtype=torch.long))
+    headline_keys = {k for k, v in headline(rec, bootstrap=2).items() if isinstance(v, (int, float))}
+    return frozenset(headline_keys), frozenset(by_position(rec, 4)) - {"bin_edges"}
 
 
 def kl_histogram(rec: TokenRecords, bins: int = 40) -> dict:

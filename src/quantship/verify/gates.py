@@ -38,6 +38,18 @@ def parse_gates(path: Path) -> list[tuple[str, str, float]]:
     return gates
 
 
+def check_metrics(gates: list[tuple[str, str, float]], path: Path) -> None:
+    """Refuse a metric the report will not have, before the evaluation rather than after it."""
+    from quantship.verify.evaluate import reported_metrics
+
+    headline, positions = reported_metrics()
+    for metric, _, _ in gates:
+        kind, _, key = metric.partition(".") if metric.startswith("by_position.") else ("", "", metric)
+        if key not in (positions if kind else headline):
+            known = ", ".join(sorted(headline)) + "; by_position." + ", by_position.".join(sorted(positions))
+            raise QuantshipError(f"unknown metric {metric!r} (known: {known})", path)
+
+
 def default_gates_file(scheme: str | None) -> Path:
     name = (scheme or "W4A16").upper()
     path = DEFAULTS_DIR / f"{name}.yaml"

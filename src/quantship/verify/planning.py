@@ -7,6 +7,7 @@ plan does not overfit what `verify` will judge it on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantship.errors import QuantshipError
+from quantship.files import check_output_location
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import load_tokenizer
@@ -81,7 +84,17 @@ def plan_from(measured: dict, budget_bits: float) -> dict:
     }
 
 
-def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], **kwargs) -> dict:
+def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], out: Path | None = None,
+              **kwargs) -> dict:
+    # What can be refused without measuring is refused before minutes of measuring.
+    if not schemes:
+        raise QuantshipError("--schemes needs at least one candidate scheme")
+    cheapest = min(get_scheme(s).bits_per_weight for s in schemes)  # unknown schemes fail here
+    if not cheapest <= budget_bits < math.inf:
+        raise QuantshipError(f"--budget-bits {budget_bits} is below the smallest plan ({cheapest:.3f} bits: every "
+                             f"unit in the cheapest of {', '.join(schemes)})")
+    if out is not None:
+        check_output_location(Path(out), "plan")
     return plan_from(measure_units(model, schemes, **kwargs), budget_bits)
 
 

@@ -21,7 +21,7 @@ from quantship.verify import evaluate as E
 from quantship.verify import sensitivity as S
 from quantship.verify.coverage import coverage
 from quantship.verify.floor import floor_model
-from quantship.verify.gates import default_gates_file, evaluate_gates, parse_gates
+from quantship.verify.gates import check_metrics, default_gates_file, evaluate_gates, parse_gates
 from quantship.verify.metrics import repetition_rate
 
 DEFAULT_PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    \"\"\"", "KING HENRY.\n", "The `json` module")
@@ -94,13 +94,12 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
         raise QuantshipError("BASE and QUANT have different vocabularies; compare a model with its own quantization",
                              quant_path)
     recipe = _recipe(quant_path, quant_ck)
+    gates_path, gates = _read_gates(opts.gates, recipe)  # now, not after minutes of evaluation
+    ctx = _window(opts, base_ck.config.max_position_embeddings)
     text_path = opts.text or bundled_texts()["eval_text"]
-    eval_text = read_text_file(Path(text_path))
+    eval_text = read_text_file(Path(text_path), "evaluation text")
     tokenizer = load_tokenizer(base_path)
     ids = tokenizer(eval_text, add_special_tokens=False, verbose=False)["input_ids"]
-    ctx = opts.ctx or min(base_ck.config.max_position_embeddings, 4096)
-    if ctx > base_ck.config.max_position_embeddings:
-        raise QuantshipError(f"--ctx {ctx} exceeds the model's {base_ck.config.max_position_embeddings} positions")
     try:
         rows = E.chunk_rows(ids, ctx, opts.max_tokens)
     except ValueError as exc:
@@ -143,7 +142,28 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
     if opts.generations:
         report["generations"] = _generations(base_model, quant_model, tokenizer,
                                              eos_ids(tokenizer, base_ck.config.eos_token_id), opts.max_new_tokens)
-    if opts.gates:
-        gates_path = default_gates_file(recipe.get("gates_scheme", recipe.get("scheme"))) if opts.gates == "default" else Path(opts.gates)
-        report["gates"] = evaluate_gates(report, parse_gates(gates_path), gates_path)
+    if gates:
+        report["gates"] = evaluate_gates(report, gates, gates_path)
     return report
+
+
+def _read_gates(gates: str | None, recipe: dict) -> tuple[Path | None, list]:
+    if not gates:
+        return None, []
+    path = default_gates_file(recipe.get("gates_scheme", recipe.get("scheme"))) if gates == "default" else Path(gates)
+    parsed = parse_gates(path)
+    check_metrics(parsed, path)
+    return path, parsed
+
+
+def _window(opts: VerifyOptions, positions: int) -> int:
+    """Tokens per window: --ctx, else the model's context up to 4096; never more than --max-tokens,
+    which would evaluate a whole window beyond what was asked for."""
+    if opts.ctx is not None and not 2 <= opts.ctx <= positions:
+        raise QuantshipError(f"--ctx must be in 2..{positions} (the model's positions), got {opts.ctx}")
+    if opts.max_tokens < 2:
+        raise QuantshipError(f"--max-tokens must be at least 2, got {opts.max_tokens}")
+    if opts.ctx is not None and opts.max_tokens < opts.ctx:
+        raise QuantshipError(f"--max-tokens {opts.max_tokens} is less than one window of --ctx {opts.ctx} tokens; "
+                             "raise --max-tokens or lower --ctx")
+    return opts.ctx if opts.ctx is not None else min(positions, 4096, opts.max_tokens)

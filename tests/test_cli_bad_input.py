@@ -1,0 +1,160 @@
+"""Bad command lines as a careless or hostile user types them: each exits 2 with one line on stderr
+(no usage block, no traceback), fails before any model is loaded, and leaves nothing behind. Then
+the interrupt paths: SIGTERM cleans up like Ctrl-C, and outputs are readable by other users."""
+
+import io
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from quantship.cli import _progress_lines, main
+from quantship.models.bundled import TINY_DIR
+from quantship.models.loader import Checkpoint
+
+UNWRITABLE = "/proc/quantship-test/out"  # a pseudo filesystem: nothing can be created there
+PROM = "http://127.0.0.1:9"
+
+# (command line with {tmp} for the test's directory, what the one line must mention)
+CASES = [
+    # numbers out of range, caught while parsing
+    ("generate --prompt x --seed 18446744073709551616", "--seed: must be an integer in -9223372036854775808"),
+    ("generate --prompt x --temperature nan", "--temperature: must be a finite number"),
+    ("generate --prompt x --top-p 0", "--top-p"),
+    ("generate --prompt x --max-tokens 0", "--max-tokens"),
+    ("generate --prompt x --max-tokens 4000", "exceed the model's context of 2048 tokens"),
+    ("generate", "the following arguments are required: --prompt"),
+    ("generate --prompt x --bogus", "unrecognized arguments: --bogus"),
+    ("quantize -o {tmp}/q --samples 0", "--samples"),
+    ("quantize -o {tmp}/q --seq-len 99999", "--seq-len 99999 exceeds the model's context"),
+    ("quantize -o {tmp}/q --dampening inf", "--dampening"),
+    ("quantize -o {tmp}/q --group-size 7", "--group-size"),
+    ("export tiny --format gguf -o {tmp}/t.gguf --samples 0", "--samples"),
+    ("verify tiny tiny --report {tmp}/r --ctx 0", "--ctx"),
+    ("plan --budget-bits nan -o {tmp}/p.json", "--budget-bits"),
+    ("serve --port 70000", "--port"),
+    ("serve --block-size 0", "--block-size"),
+    ("serve --request-timeout -1", "--request-timeout"),
+    (f"bench {PROM} --profile constant --rate nan", "--rate"),
+    (f"bench {PROM} --profile concurrent --concurrency 0", "--concurrency"),
+    ("deploy tiny -o {tmp}/k --load-bandwidth nan", "--load-bandwidth"),
+    ("deploy tiny -o {tmp}/k --gpus 9", "--gpus"),
+    ("deploy tiny -o {tmp}/k --gpus 0 --replicas 1:99999999999", "--replicas 1:99999999999"),
+    (f"gate canary --prometheus {PROM} --count 0", "--count"),
+    (f"gate canary --prometheus {PROM} --interval inf", "--interval"),
+    # values the library would only trip over later (a traceback, or a manifest the cluster refuses)
+    ("quantize -o {tmp}/q --ignore re:([", "is not a valid regular expression"),
+    ("deploy tiny -o {tmp}/k --gpus 0 --memory lots", "--memory 'lots' is not a positive Kubernetes quantity"),
+    ("deploy tiny -o {tmp}/k --gpus 0 --cpu -3", "--cpu '-3'"),
+    ("deploy tiny -o {tmp}/k --gpus 1 --gpu-type H100_80GB!", "is not a valid label value"),
+    ("deploy tiny -o {tmp}/k --gpus 0 --prometheus-url prometheus:9090", "is not an http(s) URL"),
+    ("serve --max-model-len 99999", "--max-model-len 99999 exceeds the model's context of 2048"),
+    ("serve --api-key-file {tmp}/missing-key", "cannot read the API key"),
+    ("plan --budget-bits 2 -o {tmp}/p.json", "is below the smallest plan"),
+    ("plan --budget-bits 5 --schemes W9A16 -o {tmp}/p.json", "unknown scheme 'W9A16'"),
+    # outputs that cannot be written: refused before any work
+    (f"quantize -o {UNWRITABLE}", "cannot write the output directory"),
+    ("quantize -o {tmp}/a-file/q", "is not a directory"),
+    (f"deploy tiny -o {UNWRITABLE} --gpus 0", "cannot write the output directory"),
+    (f"verify tiny tiny --report {UNWRITABLE}", "cannot write the report"),
+    (f"plan --budget-bits 5 -o {UNWRITABLE}/plan.json", "cannot write the plan"),
+    (f"export tiny --format gguf -o {UNWRITABLE}.gguf", "cannot write the output"),
+    (f"bench {PROM} -o {UNWRITABLE}", "cannot write the output"),
+    # verify reads its inputs before minutes of evaluation
+    ("verify tiny tiny --report {tmp}/r --gate {tmp}/missing.yaml", "cannot read the gates file"),
+    ("verify tiny tiny --report {tmp}/r --gate {tmp}/unknown-metric.yaml", "unknown metric 'perplexity'"),
+    ("verify tiny tiny --report {tmp}/r --text {tmp}/missing.txt", "evaluation text not found"),
+    ("verify tiny tiny --report {tmp}/r --ctx 512 --max-tokens 64", "less than one window of --ctx 512"),
+    ("verify tiny tiny --report {tmp}/r --ctx 4096", "--ctx must be in 2..2048"),
+    # checkpoints that only a load would have refused
+    ("info {tmp}/truncated", "truncated safetensors file"),
+]
+
+
+def inputs(tmp: Path, case: str) -> None:
+    (tmp / "a-file").write_text("not a directory")
+    (tmp / "unknown-metric.yaml").write_text("gates:\n  - perplexity <= 10\n")
+    if "truncated" in case:
+        shutil.copytree(TINY_DIR, tmp / "truncated")
+        shard = tmp / "truncated" / "model-00002-of-00003.safetensors"
+        os.truncate(shard, shard.stat().st_size // 2)  # an interrupted download
+
+
+def tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the command line was refused")
+
+    monkeypatch.setattr(Checkpoint, "load_model", refuse)
+    monkeypatch.setattr(Checkpoint, "iter_layers", refuse)
+
+
+@pytest.mark.parametrize("line,expected", CASES, ids=[c[0][:60] for c in CASES])
+def test_a_bad_command_line_exits_2_in_one_line_and_writes_nothing(line, expected, tmp_path, capsys, no_model_loads):
+    inputs(tmp_path, line)
+    before = tree(tmp_path)
+    assert main(line.format(tmp=tmp_path).split()) == 2
+    out, err = capsys.readouterr()
+    assert len(err.splitlines()) == 1 and err.startswith("quantship") and "Traceback" not in err, err
+    assert expected in err, err
+    assert out == ""
+    assert tree(tmp_path) == before
+
+
+def test_usage_errors_are_one_line_in_a_real_process_too():
+    proc = subprocess.run([sys.executable, "-m", "quantship.cli", "generate", "--prompt", "x", "--seed", "1e3"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["quantship generate: error: argument --seed: expected an integer, got '1e3' "
+                                        "(see quantship generate --help)"]
+
+
+def test_sigterm_during_quantize_cleans_up_like_ctrl_c(tmp_path):
+    """Stopped before its first layer is done: nothing is kept (later, finished layers are kept for --resume)."""
+    out = tmp_path / "q"
+    proc = subprocess.Popen([sys.executable, "-m", "quantship.cli", "quantize", "tiny", "-o", str(out), "--quiet",
+                             "--method", "gptq"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not any(p.name.startswith(".q.partial") for p in tmp_path.iterdir()):  # the work has started
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # what `timeout`, a Kubernetes Job and systemd send
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err.strip().endswith("terminated") and "Traceback" not in err, err
+    left = list(tmp_path.iterdir())
+    # Nothing is left behind, unless a busy machine let a layer finish first: then it is kept for
+    # --resume, deliberately, and the message says so.
+    assert left == [] or (len(left) == 1 and "--resume" in err), (left, err)
+
+
+def test_quantized_files_follow_the_umask(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        assert main(["quantize", "-o", str(tmp_path / "q"), "--quiet", "--samples", "2", "--seq-len", "64"]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "q").iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o644}, modes  # safetensors alone would write 0600
+
+
+def test_progress_is_printed_as_lines_when_not_on_a_terminal():
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=False)
+    context, step = _progress_lines(console, every_s=3600)
+    with context:
+        step("compare", 3)
+        for _ in range(3):
+            step()
+    assert buffer.getvalue().splitlines() == ["compare: 0/3", "compare: 3/3"]
