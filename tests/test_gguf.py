@@ -387,3 +387,16 @@ def test_deepseek_fp8_source_exports_as_the_model_it_stands_for(tmp_path):
     assert not any(name.startswith("blk.8.") for name in g.tensors) and g.config.num_hidden_layers == 8
     ours = Checkpoint(fp8).layer(3).self_attn.q_b_proj.weight
     assert torch.equal(g.read("blk.3.attn_q_b.weight"), ours.half().float())
+
+
+def test_block_scaled_fp8_checkpoint_is_requantized_from_its_values(plain_llama_dir, tmp_path):
+    from quantship.quant.scheme import PRESETS
+
+    if "FP8_BLOCK" not in PRESETS:
+        pytest.skip("no FP8_BLOCK scheme in this tree")
+    quantize(plain_llama_dir, tmp_path / "fp8", QuantizeOptions(scheme="FP8_BLOCK", **FAST), progress=False)
+    result = export_gguf(tmp_path / "fp8", tmp_path / "fp8.gguf", GGUFOptions(type="Q8_0"))
+    ours = _weights(Checkpoint(tmp_path / "fp8").load_model())
+    theirs = _weights(GGUFCheckpoint(result.path).load_model())
+    w = ours["model.layers.0.mlp.down_proj.weight"]
+    assert float((theirs["model.layers.0.mlp.down_proj.weight"] - w).norm() / w.norm()) < 0.01  # Q8_0 rounding

@@ -239,6 +239,11 @@ class StoredQuant:
     g_idx: torch.Tensor | None
 
     def dequantize(self) -> torch.Tensor:
+        out, inp = self.values.shape
+        if self.scale.dim() == 2 and self.scale.shape[0] != out:  # one scale per 2-D block (FP8_BLOCK)
+            rows, cols = -(-out // self.scale.shape[0]), -(-inp // self.scale.shape[1])
+            scale = self.scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
+            return self.values.float() * scale
         return dequantize(self.values, self.scale, self.zero, self.g_idx).float()
 
 
