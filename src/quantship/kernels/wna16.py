@@ -59,12 +59,18 @@ def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                in_features: int, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight [N, K] the packed tensors stand for (computed in float32)."""
-    values = unpack(packed, bits, in_features).float()
-    per_column = lambda t: t.float().t().repeat_interleave(group_size, dim=1)[:, :in_features]  # noqa: E731
+    """The weight [N, K] the packed tensors stand for (computed in float32; a transposed view).
+
+    Worked in the packed [K, N] orientation throughout: no int8 round trip, one transpose at the end
+    (this is the CPU forward of every packed Linear, so it is kept to a few passes)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
+    unsigned = ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)).reshape(-1, packed.shape[1])
+    weight = unsigned[:in_features].float() - (1 << (bits - 1))
     if zero is not None:
-        values = values - per_column(zero)
-    return (values * per_column(scale)).to(dtype)
+        weight -= zero.float().repeat_interleave(group_size, dim=0)[:in_features]
+    weight *= scale.float().repeat_interleave(group_size, dim=0)[:in_features]
+    return weight.to(dtype).t()
 
 
 def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
