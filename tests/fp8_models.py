@@ -38,8 +38,9 @@ def _mtp_tensors(tensors: dict[str, torch.Tensor], last: int, hidden: int, seed:
     return out
 
 
-def convert_to_fp8(source: Path, out: Path, mtp: bool = True, seed: int = 0) -> Path:
-    """Write `source` (a bf16 DeepSeek-V3 checkpoint, one shard or several) to `out` in the FP8 block layout."""
+def convert_to_fp8(source: Path, out: Path, mtp: bool = True, seed: int = 0, fp8: bool = True) -> Path:
+    """Write `source` (a bf16 DeepSeek-V3 checkpoint, one shard or several) to `out` in the FP8 block layout
+    (or, with fp8=False, as the bf16 checkpoint with the MTP layer added)."""
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
     index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
@@ -51,7 +52,7 @@ def convert_to_fp8(source: Path, out: Path, mtp: bool = True, seed: int = 0) -> 
         config["num_nextn_predict_layers"] = 1
     converted: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if _QUANTIZED.match(name):
+        if fp8 and _QUANTIZED.match(name):
             values, scale = block_quantize(t.float())
             converted[name] = values
             converted[name + "_scale_inv"] = scale
@@ -66,7 +67,8 @@ def convert_to_fp8(source: Path, out: Path, mtp: bool = True, seed: int = 0) -> 
         save_file({n: converted[n].contiguous() for n in part}, str(out / shard), metadata={"format": "pt"})
         weight_map.update({n: shard for n in part})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config["quantization_config"] = dict(FP8_CONFIG)
+    if fp8:
+        config["quantization_config"] = dict(FP8_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in source.iterdir():
         if f.suffix in (".json", ".txt", ".jinja") and not (out / f.name).exists():

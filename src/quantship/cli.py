@@ -74,6 +74,11 @@ def cmd_info(args) -> int:
     if "moe" in info:
         m = info["moe"]
         rows.append(("experts", f"{m['routed_experts']} routed (top-{m['experts_per_token']}, {m['scoring']}, {m['topk_method']}) + {m['shared_experts']} shared; {m['dense_layers']} dense layer(s) first"))
+    if "mtp" in info:
+        m = info["mtp"]
+        found = (f"layer {', '.join(map(str, m['layers']))}, {_human_count(m['parameters'])} parameters"
+                 if m["layers"] else "declared but not stored")
+        rows.append(("MTP", f"{m['declared']} multi-token-prediction layer(s): {found} (not run by verify/serve)"))
     rows += [
         ("dtype", info["dtype"]),
         ("context", f"{info['max_position_embeddings']} tokens (rope {info['rope']['type']}, factor {info['rope']['factor']:g})"),
@@ -146,7 +151,8 @@ def cmd_quantize(args) -> int:
     opts = QuantizeOptions(scheme=args.scheme, method=args.method, calib=args.calib, samples=args.samples,
                            seq_len=args.seq_len, device=args.device, ignore=args.ignore or [],
                            group_size=args.group_size, actorder=args.actorder, dampening=args.dampening,
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, mtp=args.mtp, strict_groups=args.strict_groups,
+                           resume=args.resume)
     if args.plan:
         from quantship.quant.plan import read_plan
 
@@ -156,14 +162,24 @@ def cmd_quantize(args) -> int:
         print(json.dumps(recipe, indent=2))
         return 0
     calib = recipe["calibration"]
+    resumed = f", resumed at layer {recipe['resumed_from_layer']}" if "resumed_from_layer" in recipe else ""
     print(f"wrote {args.output}: {', '.join(recipe['schemes_used'])} via {recipe['method']}, "
-          f"{recipe['quantized_linears']} Linear layers, {recipe['shards']} shard(s), {recipe['seconds']:.1f}s")
-    print(f"calibration: {calib['samples']} x {calib['seq_len']} tokens from {calib['source']}")
-    if calib["samples"] < calib["samples_requested"]:
+          f"{recipe['quantized_linears']} Linear layers, {recipe['shards']} shard(s), {recipe['seconds']:.1f}s{resumed}")
+    if not calib:
+        print("calibration: none run (RTN rounds each weight on its own)")
+    else:
+        print(f"calibration: {calib['samples']} x {calib['seq_len']} tokens from {calib['source']}")
+    if calib and calib["samples"] < calib["samples_requested"]:
         print(f"note: the calibration text holds only {calib['samples']} samples of {calib['seq_len']} tokens")
     if recipe["fallbacks"]:
         print(f"fallbacks (too few routed tokens; every-token statistics used): {len(recipe['fallbacks'])}, "
               "listed in quantship_recipe.json")
+    for module, got in recipe["group_fallbacks"].items():
+        print(f"group fallback: {module} -> {got} (the group size does not divide its input)")
+    if "mtp" in recipe:
+        m = recipe["mtp"]
+        where = f"layer {', '.join(map(str, m['layers']))}" if m["layers"] else "none written"
+        print(f"MTP ({m['mode']}): {where}, {m['stored_as']}")
     return 0
 
 
@@ -543,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="OUT", help="output directory")
     p.add_argument("--scheme", default="W4A16",
-                   help="W4A16 (default), W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC (W3A16/W2A16 only to test gates)")
+                   help="W4A16 (default), W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK (W3A16/W2A16 only to test gates)")
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"])
     p.add_argument("--group-size", type=int, choices=[32, 64, 128],
                    help="for W4A16* (default 128) and W8A16 (default per channel; 32 = llama.cpp's Q8_0 grid)")
@@ -559,6 +575,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dampening", type=number(0, 1, lo_open=True), default=0.01,
                    help="GPTQ dampening fraction (default 0.01)")
     p.add_argument("--plan", type=Path, help="mixed-precision plan from 'quantship plan' (overrides --scheme per module)")
+    p.add_argument("--mtp", default="keep", choices=["keep", "quantize", "drop"],
+                   help="DeepSeek-V3's multi-token-prediction layer: copy in the source precision (default), "
+                        "quantize it too, or drop it (num_nextn_predict_layers becomes 0)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run into the same OUT from its first unfinished layer "
+                        "(the settings must be the same; the output is identical to an uninterrupted run)")
+    p.add_argument("--strict-groups", action="store_true",
+                   help="refuse a layer the group size does not divide (default: fall back to group 64/32, "
+                        "else per channel, listed in the recipe)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--json", action="store_true", help="print the recipe as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

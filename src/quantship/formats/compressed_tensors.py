@@ -2,7 +2,7 @@
 
 Config classes and int packing come from the `compressed-tensors` package itself, so what we
 write is what its readers expect: `pack-quantized` (W4A16*, W8A16), `int-quantized` (W8A8) and
-`float-quantized` (FP8_DYNAMIC), or `mixed-precision` when a plan mixes them.
+`float-quantized` (FP8_DYNAMIC, FP8_BLOCK), or `mixed-precision` when a plan mixes them.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ def quantization_args(scheme: Scheme) -> dict:
     w = scheme.weights
     weights = QuantizationArgs(num_bits=w.num_bits, type=w.type, symmetric=w.symmetric, strategy=w.strategy,
                                group_size=w.group_size if w.strategy == "group" else None,
+                               block_structure=list(w.block) if w.strategy == "block" else None,
                                actorder=w.actorder if w.actorder else None, dynamic=False)
     acts = None
     if scheme.input_activations is not None:
         a = scheme.input_activations
         acts = QuantizationArgs(num_bits=a.num_bits, type=a.type, symmetric=a.symmetric, strategy=a.strategy,
-                                dynamic=a.dynamic)
+                                group_size=a.group_size, dynamic=a.dynamic)
     return {"weights": weights, "input_activations": acts}
 
 
@@ -41,12 +42,14 @@ def quantization_config(groups: list[tuple[Scheme, list[str]]], ignore: list[str
     """groups: (scheme, targets) pairs; targets are "Linear" or module names / `re:` patterns."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    config_groups = {
-        f"group_{i}": QuantizationScheme(targets=targets, **quantization_args(scheme))
-        for i, (scheme, targets) in enumerate(groups)
-    }
     formats = {scheme.format for scheme, _ in groups}
     fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
+    # Under mixed-precision each group names its own format, which is how readers pick a decompressor.
+    config_groups = {
+        f"group_{i}": QuantizationScheme(targets=targets, **quantization_args(scheme),
+                                         format=scheme.format if fmt == "mixed-precision" else None)
+        for i, (scheme, targets) in enumerate(groups)
+    }
     config = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), format=fmt,
                                 quantization_status="compressed")
     dumped = config.model_dump(exclude_none=True)
@@ -59,6 +62,8 @@ def pack_tensors(q: QuantizedTensor, scheme: Scheme, scale_dtype: torch.dtype) -
     """A quantized Linear's tensors under compressed-tensors' names (relative to the module)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+    if q.args.strategy == "block":
+        scale_dtype = torch.float32  # block scales stay float32, as DeepSeek's and vLLM's are
     out = {"weight_scale": q.scale.to(scale_dtype).contiguous()}
     if scheme.format == "pack-quantized":
         out["weight_packed"] = pack_to_int32(q.values, q.args.num_bits)  # on the values' device: fast on GPU

@@ -80,6 +80,7 @@ class ModelConfig:
     topk_group: int | None = None
     topk_method: str = "greedy"
     scoring_func: str = "softmax"
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the main ones (DeepSeek-V3/R1)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

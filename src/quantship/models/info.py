@@ -9,6 +9,7 @@ import torch
 from quantship.models.bundled import TINY_DIR, bundled_texts
 from quantship.models.causal_lm import CausalLM
 from quantship.models.loader import Checkpoint
+from quantship.models.mtp import MTPLayer
 from quantship.models.paged import cache_width, full_kv_width
 from quantship.models.shards import check_shard
 
@@ -62,6 +63,12 @@ def model_info(path: Path) -> dict:
                        "moe_layers": sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
                        "scoring": c.scoring_func, "topk_method": c.topk_method,
                        "n_group": c.n_group, "topk_group": c.topk_group}
+    if c.num_nextn_predict_layers or ck.mtp_indices:
+        with torch.device("meta"):
+            per_layer = sum(p.numel() for p in MTPLayer(c, c.num_hidden_layers).parameters())
+        # Not in `parameters`: verify and the engine run the main model; vLLM drafts with these.
+        info["mtp"] = {"declared": c.num_nextn_predict_layers, "layers": ck.mtp_indices,
+                       "parameters": per_layer * len(ck.mtp_indices)}
     if ck.fp8_source is not None:
         # Read as-is: every command dequantizes it layer by layer, so no bf16 copy is ever written.
         info["fp8_block_source"] = {"weight_block_size": list(ck.fp8_source.block),

@@ -19,6 +19,7 @@ from quantship.errors import QuantshipError
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, load_config
 from quantship.models.fp8_block import Fp8Source, dequantize_state, is_fp8_block_source, swap_block_linears
+from quantship.models.mtp import MTPLayer
 from quantship.models.quantized import CompressedTensorsReader
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -148,11 +149,27 @@ class Checkpoint:
         module.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
         return module.to(device=device, dtype=dtype)
 
+    @property
+    def mtp_indices(self) -> list[int]:
+        """The MTP layers present (declared by num_nextn_predict_layers and stored after the main layers)."""
+        first = self.config.num_hidden_layers
+        return [i for i in range(first, first + self.config.num_nextn_predict_layers) if i in self.layer_tensors]
+
     def layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
         if not 0 <= index < self.config.num_hidden_layers:
             raise IndexError(index)
         with torch.device("meta"):
             layer = build_layer(self.config, index)
+        return self._load_layer(layer, index, dtype, device)
+
+    def mtp_layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MTPLayer:
+        if index not in self.mtp_indices:
+            raise IndexError(index)
+        with torch.device("meta"):
+            layer = MTPLayer(self.config, index)
+        return self._load_layer(layer, index, dtype, device)
+
+    def _load_layer(self, layer: nn.Module, index: int, dtype, device) -> nn.Module:
         state = self.layer_state(index)
         if self.quantized is not None:
             swap_block_linears(self.quantized, layer, f"model.layers.{index}", state)

@@ -143,10 +143,13 @@ def _search(linears: list[nn.Linear], x: torch.Tensor, run: Callable[[], torch.T
 
 
 @torch.no_grad()
-def awq_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, args: WeightQuant, *,
-              grid: int = 20, max_tokens: int = 4096, min_expert_tokens: int = 16,
-              quantized: set[str] | None = None) -> dict:
+def awq_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
+              args: WeightQuant | dict[str, WeightQuant], *, grid: int = 20, max_tokens: int = 4096,
+              min_expert_tokens: int = 16, quantized: set[str] | None = None) -> dict:
     """Search and fold AWQ scales into `layer` (in place) from its calibration input hidden [N, T, H].
+
+    `args` is one scheme for every Linear, or one per Linear name (a group-size fallback or a plan):
+    a balance group is searched with the scheme of its first quantized Linear.
 
     Returns {group name: {"ratio", "rtn_mse", "awq_mse"}, "expert_fallbacks": [expert indices whose
     routed tokens were fewer than min_expert_tokens, so all tokens were used instead]}.
@@ -197,7 +200,8 @@ def awq_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, a
             targets = [lin for lin in g.linears if quantized is None or names[lin] in quantized]
             if not targets:
                 continue
-            s, report[g.name] = _search(targets, stats, partial(g.measured, *call), args, grid)
+            group_args = args[names[targets[0]]] if isinstance(args, dict) else args
+            s, report[g.name] = _search(targets, stats, partial(g.measured, *call), group_args, grid)
             chosen.append((g, s))
         # Fold only after every search: each search then sees the original weights and captured inputs.
         for g, s in chosen:

@@ -3,23 +3,27 @@
 For each layer, streamed from the shards: run the calibration activations through it, quantize
 its Linear layers (RTN, AWQ+RTN or GPTQ), run the *quantized* layer to make the next layer's
 inputs (so errors propagate as they will at inference), write the layer out, free it. Peak
-memory is about one layer plus the calibration activations, whatever the model's size.
+memory is about one layer plus the calibration activations, whatever the model's size. RTN needs
+no activations and runs no forward pass. DeepSeek-V3's MTP layer follows the main layers (quant/mtp.py).
 
 Output goes to a hidden temporary directory beside OUT and is renamed at the very end, so an
-interrupted run never leaves a checkpoint that looks complete.
+interrupted run never leaves a checkpoint that looks complete; what it finished stays there for
+--resume (quant/resume.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantship import __version__
@@ -28,9 +32,14 @@ from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quan
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
 from quantship.models.loader import Checkpoint
+from quantship.models.fp8_block import Fp8BlockLinear
+from quantship.models.mtp import MTPLayer
 from quantship.models.quantized import quant_linear
 from quantship.models.tokenizer import load_tokenizer
+from quantship.quant import mtp as M
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
+from quantship.quant.fp8_block import block_quantize
+from quantship.quant.resume import ResumableRun, file_digest, source_fingerprint
 from quantship.quant.rtn import QuantizedTensor, rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
 from quantship.files import check_output_location, publish_directory
@@ -58,6 +67,9 @@ class QuantizeOptions:
     overwrite: bool = False
     # A plan (mixed precision) maps module names to schemes; None = one scheme for every target.
     plan: dict[str, str] | None = None
+    mtp: str = "keep"  # what happens to DeepSeek-V3's multi-token-prediction layer: keep, quantize, drop
+    strict_groups: bool = False  # refuse a group size that does not divide a layer (no fallback)
+    resume: bool = False  # continue an interrupted run into the same OUT from its first unfinished layer
 
 
 def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
@@ -74,6 +86,10 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
         raise QuantshipError("--actorder must be static")
     if opts.actorder and opts.method != "gptq":
         raise QuantshipError("--actorder applies to --method gptq only")
+    if opts.mtp not in M.MTP_MODES:
+        raise QuantshipError(f"unknown --mtp {opts.mtp!r}; choose one of {', '.join(M.MTP_MODES)}")
+    if opts.plan is None and get_scheme(opts.scheme).weights.strategy == "block" and opts.method != "rtn":
+        raise QuantshipError("FP8_BLOCK is data-free (each block rounded to nearest); use --method rtn")
     if out.exists() and not opts.overwrite:
         raise QuantshipError("output directory exists (pass --overwrite to replace it)", out)
     if out.resolve() == ck.path.resolve():
@@ -93,37 +109,49 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
     check_output_location(out, "output directory")
 
 
-def plan_schemes(ck: Checkpoint, opts: QuantizeOptions) -> dict[str, Scheme]:
-    """Scheme of every quantized Linear (full module name); the rest stay in the original dtype."""
-    ignore = list(DEFAULT_IGNORE) + list(opts.ignore)
+def _target_layers(ck: Checkpoint, opts: QuantizeOptions) -> list[tuple[int, nn.Module, bool]]:
+    """(index, layer on the meta device, is MTP) of every layer whose Linears may be quantized."""
+    with torch.device("meta"):
+        layers = [(i, layer, False) for i, layer in enumerate(CausalLM(ck.config).model.layers)]
+        if opts.mtp == "quantize":
+            layers += [(i, MTPLayer(ck.config, i), True) for i in ck.mtp_indices]
+    return layers
+
+
+def plan_schemes(ck: Checkpoint, opts: QuantizeOptions) -> tuple[dict[str, Scheme], dict[str, str]]:
+    """Scheme of every quantized Linear (full module name), the rest staying in the original dtype;
+    and the Linears whose group size fell back, with what they got."""
+    ignore = list(DEFAULT_IGNORE) + list(opts.ignore) + list(M.MTP_IGNORE)
     base = get_scheme(opts.scheme, opts.group_size)
     if opts.actorder:
         base = base.with_actorder(opts.actorder)
-    with torch.device("meta"):
-        model = CausalLM(ck.config)
     chosen: dict[str, Scheme] = {}
-    for i, layer in enumerate(model.model.layers):
+    group_fallbacks: dict[str, str] = {}
+    for i, layer, is_mtp in _target_layers(ck, opts):
         for name in linear_names(layer):
             full = f"model.layers.{i}.{name}"
             if is_ignored(full, ignore):
                 continue
             scheme = base
-            if opts.plan is not None:
+            if opts.plan is not None and not is_mtp:  # a plan covers the main layers; MTP takes --scheme
                 if full not in opts.plan or opts.plan[full] in ("none", "bf16", "fp16", "original"):
                     continue
                 scheme = get_scheme(opts.plan[full])
                 if opts.actorder:
                     scheme = scheme.with_actorder(opts.actorder)
             in_features = layer.get_submodule(name).in_features
-            w = scheme.weights
-            if w.strategy == "group" and in_features % w.group_size:
-                raise QuantshipError(
-                    f"{scheme.name} group size {w.group_size} does not divide {full}'s input dimension "
-                    f"{in_features}; choose --group-size from the divisors or add it to --ignore", ck.path)
-            chosen[full] = scheme
+            fitted = scheme.fitted_to(in_features)
+            if fitted != scheme:
+                if opts.strict_groups:
+                    raise QuantshipError(
+                        f"{scheme.name} group size {scheme.weights.group_size} does not divide {full}'s input "
+                        f"dimension {in_features} (--strict-groups); choose --group-size from the divisors "
+                        "or add it to --ignore", ck.path)
+                group_fallbacks[full] = fitted.describe_weights()
+            chosen[full] = fitted
     if not chosen:
         raise QuantshipError("no Linear layer left to quantize (check --ignore)", ck.path)
-    return chosen
+    return chosen, group_fallbacks
 
 
 def _config_groups(chosen: dict[str, Scheme]) -> list[tuple[Scheme, list[str]]]:
@@ -138,10 +166,21 @@ def _config_groups(chosen: dict[str, Scheme]) -> list[tuple[Scheme, list[str]]]:
 HESSIAN_BATCH_BYTES = 2 * 2**30  # cap on the Hessians stacked into one batched GPTQ call
 
 
+def _round(weight: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
+    w = scheme.weights
+    if w.strategy == "block":
+        return QuantizedTensor(*block_quantize(weight, w.block), None, w)
+    return rtn_quantize(weight, w)
+
+
 def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
                       stats: LayerStats, fallbacks: list[str]) -> dict[str, QuantizedTensor]:
-    if opts.method != "gptq":
-        return {n: rtn_quantize(w, schemes[n].weights) for n, w in weights.items()}
+    # FP8 blocks are always rounded (data-free, as llm-compressor's FP8_BLOCK); a method applies to the rest.
+    rounded = {n for n, s in schemes.items() if opts.method != "gptq" or s.weights.strategy == "block"}
+    out = {n: _round(weights[n], schemes[n]) for n in rounded}
+    weights = {n: w for n, w in weights.items() if n not in rounded}
+    if not weights:
+        return out
     from quantship.quant.gptq import gptq_quantize_many
 
     hessians = {}
@@ -151,7 +190,6 @@ def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Schem
             chosen = stats.all_tokens[name]  # a starved expert borrows the every-token statistics
             fallbacks.append(name)
         hessians[name] = chosen.hessian
-    out = {}
     for name in [n for n, h in hessians.items() if h is None]:  # no token reached it at all
         fallbacks.append(name)
         out[name] = rtn_quantize(weights[name], schemes[name].weights)
@@ -182,9 +220,13 @@ def _clip(weight: torch.Tensor, sample, scheme: Scheme, min_tokens: int) -> torc
 def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype: torch.dtype) -> None:
     owner, attr = name.rsplit(".", 1)
     old = layer.get_submodule(name)
+    bias = None if old.bias is None else old.bias.data
     acts = scheme.input_activations.type if scheme.input_activations else None
-    new = quant_linear(q.values, q.scale.to(dtype), q.zero_point, q.g_idx,
-                       None if old.bias is None else old.bias.data, activations=acts, bits=q.args.num_bits)
+    if q.args.strategy == "block":
+        new = Fp8BlockLinear(q.values, q.scale, q.args.block, bias, scheme.input_activations.group_size)
+    else:
+        new = quant_linear(q.values, q.scale.to(dtype), q.zero_point, q.g_idx, bias, activations=acts,
+                           bits=q.args.num_bits)
     setattr(layer.get_submodule(owner), attr, new)
 
 
@@ -200,19 +242,24 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
     schemes = {n: chosen[prefix + n] for n in linear_names(layer) if prefix + n in chosen}
     fallbacks: list[str] = []
     awq_report: dict[str, dict] = {}
-    if opts.method == "awq" and schemes:
+    # AWQ searches and clips for the integer Linears; FP8 blocks are only rounded (folding still keeps them exact).
+    searched = {n: s.weights for n, s in schemes.items() if s.weights.strategy != "block"}
+    if opts.method == "awq" and searched:
         from quantship.quant.awq import awq_layer
 
-        # The search fake-quantizes with one scheme; under a plan, the first one of the layer stands in.
-        report = awq_layer(layer, hidden, positions, next(iter(schemes.values())).weights,
-                           min_expert_tokens=opts.min_expert_tokens, quantized=set(schemes))
+        report = awq_layer(layer, hidden, positions, searched, min_expert_tokens=opts.min_expert_tokens,
+                           quantized=set(searched))
         fallbacks += [f"mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
         awq_report = {prefix + k: v for k, v in report.items()}
-    stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
-                          keep_rows=CLIP_ROWS if opts.method == "awq" else 0)
+    if hidden is None:  # RTN: nothing to measure
+        stats = LayerStats()
+    else:
+        stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
+                              keep_rows=CLIP_ROWS if opts.method == "awq" else 0)
     weights = {n: layer.get_submodule(n).weight.data for n in schemes}
     if opts.method == "awq":
-        weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) for n, w in weights.items()}
+        weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
+                   for n, w in weights.items()}
     quantized = _quantize_weights(weights, schemes, opts, stats, fallbacks)
     for name, q in quantized.items():
         _assert_finite(q, prefix + name)
@@ -237,86 +284,165 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
     ck = Checkpoint(path)
     out = Path(out)
     _validate(ck, out, opts)
-    chosen = plan_schemes(ck, opts)
+    chosen, group_fallbacks = plan_schemes(ck, opts)
     calib_path = Path(opts.calib) if opts.calib else TINY_DIR / "calib.txt"
     tokenizer = load_tokenizer(path)
     tokens, calib_info = calibration_tokens(calib_path, tokenizer, opts.samples, opts.seq_len)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QuantshipError("--device cuda asked for, but no CUDA device is available")
-    out_dtype = getattr(torch, ck.config.torch_dtype, torch.bfloat16)
-    compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
     tf32 = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":
         # TF32 matmuls for the forward passes and Hessians: ~8x faster, error far below 4-bit rounding.
         torch.backends.cuda.matmul.allow_tf32 = True
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    # One fixed name per OUT, so that a later --resume finds what an interrupted run kept.
+    tmp = out.parent / f".{out.name}.partial"
+    run = ResumableRun(tmp, _settings(path, ck, calib_path, opts), opts.resume)
+    # Seconds spent by the interrupted runs this one continues count towards the recipe's total.
+    clock = (run.state["tallies"]["seconds"] if run.state else 0.0) - started
     try:
         writer = ShardWriter(tmp)
-        outer = ck.outer_state()
-        for name, tensor in outer.items():
-            writer.add(name, tensor)
-        embed = outer["model.embed_tokens.weight"].to(device, compute_dtype)
-        hidden = torch.nn.functional.embedding(tokens.to(device), embed)
-        del embed, outer
-        writer.end_of_layer()
-        positions = torch.arange(tokens.shape[1], device=device)
-        expert_tokens: dict[str, list[int]] = {}
-        fallbacks: list[str] = []
-        awq_report: dict[str, dict] = {}
-        for index, layer in _progress(ck, progress, compute_dtype, device):
-            prefix = f"model.layers.{index}."
-            done = _quantize_layer(layer, prefix, hidden, positions, chosen, opts, writer, out_dtype)
-            if done["expert_tokens"]:
-                expert_tokens[str(index)] = done["expert_tokens"]
-            fallbacks += done["fallbacks"]
-            awq_report.update(done["awq"])
-            writer.end_of_layer()
-            hidden = _run(layer, hidden, positions)
-            del layer
-            _release_freed_memory()
+        tallies = _write_layers(ck, run, writer, tokens, chosen, opts, device, progress, clock)
         shards = writer.finish()
-        config = dict(ck.config.raw)
-        config["quantization_config"] = quantization_config(_config_groups(chosen),
-                                                            list(DEFAULT_IGNORE) + list(opts.ignore))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in TOKENIZER_FILES:
-            if (path / name).is_file():
-                shutil.copy(path / name, tmp / name)
-        recipe = {
-            "quantship_version": __version__,
-            "source_model": str(path.resolve()),
-            "scheme": opts.scheme if opts.plan is None else "plan",
-            "schemes_used": sorted({s.name for s in chosen.values()}),
-            "method": opts.method,
-            "group_size": next(iter(chosen.values())).weights.group_size,
-            "actorder": opts.actorder,
-            "ignore": list(DEFAULT_IGNORE) + list(opts.ignore),
-            "quantized_linears": len(chosen),
-            "calibration": calib_info,
-            "tokens_per_expert": expert_tokens,
-            "min_expert_tokens": opts.min_expert_tokens,
-            "fallbacks": sorted(set(fallbacks)),
-            "device": str(device),
-            "shards": shards,
-            "seconds": round(time.time() - started, 2),
-        }
-        if awq_report:
-            recipe["awq"] = awq_report
-        if opts.plan is not None:
-            recipe["plan"] = {n: s.name for n, s in chosen.items()}
+        recipe = _write_config_and_recipe(ck, tmp, chosen, group_fallbacks, opts, shards, tallies, device)
+        recipe["calibration"] = calib_info if opts.method != "rtn" else {}
+        if run.resumed_from is not None:
+            recipe["resumed_from_layer"] = run.resumed_from
+        recipe["seconds"] = round(clock + time.time(), 2)
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+        run.finish()
         publish_directory(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        # Kept for --resume: finished layers of a run stopped by Ctrl-C, SIGTERM or a crash (out of memory...).
+        # Bad input is not kept: fixing it changes the source, which a resumed run would refuse anyway.
+        if run.state is None or isinstance(exc, QuantshipError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            done = run.state["next_layer"]
+            print(f"quantize stopped; {done} of {ck.config.num_hidden_layers} layers are kept in {tmp}: the same "
+                  "command with --resume continues from there", file=sys.stderr)
+        run.release()
         raise
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return recipe
+
+
+def _settings(path: Path, ck: Checkpoint, calib_path: Path, opts: QuantizeOptions) -> dict:
+    """Everything that decides the output's bytes: a resumed run must match them all."""
+    chosen = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("overwrite", "resume")}
+    chosen["calib"] = str(calib_path.resolve())
+    return {**chosen, "source": str(path.resolve()), "quantship_version": __version__,
+            "source_files": source_fingerprint(path, list(ck.files.values())),
+            "calib_sha256": file_digest(calib_path)}
+
+
+def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens: torch.Tensor,
+                  chosen: dict[str, Scheme], opts: QuantizeOptions, device: torch.device, progress: bool,
+                  clock: float) -> dict:
+    """Every decoder layer (and MTP layer) quantized and handed to the writer; returns the recipe's tallies.
+
+    RTN rounds each weight alone, so it runs no calibration forward pass at all. clock + time.time() is
+    the seconds spent so far, earlier interrupted runs included."""
+    out_dtype = getattr(torch, ck.config.torch_dtype, torch.bfloat16)
+    compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
+    calibrated = opts.method != "rtn"
+    positions = torch.arange(tokens.shape[1], device=device)
+    if run.state:
+        hidden, tallies = run.restore(writer)
+        hidden = hidden.to(device) if hidden is not None else None
+    else:
+        outer = ck.outer_state()
+        for name, tensor in outer.items():
+            writer.add(name, tensor)
+        embed = outer["model.embed_tokens.weight"]
+        hidden = F.embedding(tokens.to(device), embed.to(device, compute_dtype)) if calibrated else None
+        del embed, outer
+        writer.end_of_layer()
+        tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
+    for index, layer in _progress(ck, progress, compute_dtype, device, run.next_layer):
+        done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype)
+        if done["expert_tokens"]:
+            tallies["expert_tokens"][str(index)] = done["expert_tokens"]
+        tallies["fallbacks"] += done["fallbacks"]
+        tallies["awq"].update(done["awq"])
+        writer.end_of_layer()
+        if calibrated:
+            hidden = _run(layer, hidden, positions)
+        del layer
+        _release_freed_memory()
+        tallies["seconds"] = clock + time.time()
+        run.record(index + 1, writer, hidden, tallies)
+    for index in ([] if opts.mtp == "drop" else ck.mtp_indices):
+        if opts.mtp == "keep":
+            M.copy_layer(ck, index, writer)
+        else:
+            layer = ck.mtp_layer(index, compute_dtype, device)
+            mtp_hidden = None
+            if calibrated:
+                norm = ck.tensor("model.norm.weight")  # the MTP layer reads the main model's normed output
+                mtp_hidden = M.calibration_input(layer, tokens, hidden, norm, ck.config.rms_norm_eps)
+            done = _quantize_layer(layer, f"model.layers.{index}.", mtp_hidden, positions[:-1], chosen, opts,
+                                   writer, out_dtype)
+            tallies["fallbacks"] += done["fallbacks"]
+            tallies["awq"].update(done["awq"])
+            del layer, mtp_hidden
+        writer.end_of_layer()
+    return tallies
+
+
+def _write_config_and_recipe(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme], group_fallbacks: dict[str, str],
+                             opts: QuantizeOptions, shards: int, tallies: dict, device: torch.device) -> dict:
+    mtp_layers = [] if opts.mtp == "drop" else ck.mtp_indices
+    groups, ignore = _config_groups(chosen), list(DEFAULT_IGNORE) + list(opts.ignore)
+    if mtp_layers:
+        ignore += list(M.MTP_IGNORE)
+    if mtp_layers and opts.mtp == "keep":
+        if ck.fp8_source is not None:
+            groups.insert(0, M.fp8_block_group(ck, mtp_layers))  # first: our reader takes the first match
+        else:
+            ignore += [M.layer_pattern(i) for i in mtp_layers]
+    config = dict(ck.config.raw)
+    if "num_nextn_predict_layers" in config or mtp_layers:
+        config["num_nextn_predict_layers"] = len(mtp_layers)
+    config["quantization_config"] = quantization_config(groups, ignore)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (ck.path / name).is_file():
+            shutil.copy(ck.path / name, tmp / name)
+    recipe = {
+        "quantship_version": __version__,
+        "source_model": str(ck.path.resolve()),
+        "scheme": opts.scheme if opts.plan is None else "plan",
+        "schemes_used": sorted({s.name for s in chosen.values()}),
+        "method": opts.method,
+        "group_size": next(iter(chosen.values())).weights.group_size,
+        "actorder": opts.actorder,
+        "ignore": ignore,
+        "quantized_linears": len(chosen),
+        "group_fallbacks": group_fallbacks,
+        "tokens_per_expert": tallies["expert_tokens"],
+        "min_expert_tokens": opts.min_expert_tokens,
+        "fallbacks": sorted(set(tallies["fallbacks"])),
+        "device": str(device),
+        "shards": shards,
+    }
+    if tallies["awq"]:
+        recipe["awq"] = tallies["awq"]
+    if ck.mtp_indices or ck.config.num_nextn_predict_layers:
+        recipe["mtp"] = {"mode": opts.mtp, "layers": mtp_layers,
+                         "stored_as": _mtp_precision(ck, opts) if mtp_layers else "dropped"}
+    if opts.plan is not None:
+        recipe["plan"] = {n: s.name for n, s in chosen.items()}
+    return recipe
+
+
+def _mtp_precision(ck: Checkpoint, opts: QuantizeOptions) -> str:
+    if opts.mtp == "quantize":
+        return f"{opts.scheme} (eh_proj and shared_head as in the source)"
+    return "FP8_BLOCK, the source's own FP8 blocks" if ck.fp8_source is not None else "the source dtype"
 
 
 def _release_freed_memory() -> None:
@@ -336,17 +462,17 @@ def _assert_finite(q: QuantizedTensor, name: str) -> None:
 
 
 
-def _progress(ck: Checkpoint, enabled: bool, dtype, device):
+def _progress(ck: Checkpoint, enabled: bool, dtype, device, start: int = 0):
     layers = ck.config.num_hidden_layers
     if not enabled:
-        yield from ck.iter_layers(dtype, device)
+        yield from ((i, ck.layer(i, dtype, device)) for i in range(start, layers))
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     columns = (TextColumn("[bold]quantize"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("layers", total=layers)
-        for item in ck.iter_layers(dtype, device):
-            yield item
+        task = bar.add_task("layers", total=layers, completed=start)
+        for i in range(start, layers):
+            yield i, ck.layer(i, dtype, device)
             bar.advance(task)

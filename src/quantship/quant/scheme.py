@@ -20,9 +20,10 @@ class WeightQuant:
     num_bits: int = 4
     type: str = "int"  # "int" or "float" (FP8 e4m3)
     symmetric: bool = True
-    strategy: str = "group"  # "group" or "channel"
+    strategy: str = "group"  # "group", "channel" or "block" (FP8_BLOCK)
     group_size: int | None = 128
     actorder: str | None = None  # None, "static" or "group" (GPTQ only)
+    block: tuple[int, int] | None = None  # [out, in] block of one scale, strategy "block" only
 
     @property
     def qmin(self) -> int:
@@ -44,8 +45,9 @@ class ActivationQuant:
     num_bits: int = 8
     type: str = "int"
     symmetric: bool = True
-    strategy: str = "token"
+    strategy: str = "token"  # "token", or "group" (per token and group of group_size channels)
     dynamic: bool = True
+    group_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Scheme:
     def bits_per_weight(self) -> float:
         """Average stored bits per weight, scales and zero points included (bf16 scales)."""
         w = self.weights
+        if w.strategy == "block":
+            return w.num_bits + 32 / (w.block[0] * w.block[1])  # float32 block scales
         if w.strategy != "group":
             return float(w.num_bits)
         extra = 16 + (0 if w.symmetric else w.num_bits)
@@ -75,6 +79,24 @@ class Scheme:
     def with_actorder(self, actorder: str | None) -> "Scheme":
         return dataclasses.replace(self, weights=dataclasses.replace(self.weights, actorder=actorder))
 
+    def fitted_to(self, in_features: int) -> "Scheme":
+        """This scheme, or what a Linear with `in_features` inputs falls back to when the group size does
+        not divide them: the largest smaller group of GROUP_SIZES that does, else one scale per channel
+        (DeepSeek-V2-Lite's dense down_proj, 10944 wide, takes group 64 under W4A16)."""
+        w = self.weights
+        if w.strategy != "group" or in_features % w.group_size == 0:
+            return self
+        for size in sorted((g for g in GROUP_SIZES if g < w.group_size), reverse=True):
+            if in_features % size == 0:
+                return dataclasses.replace(self, weights=dataclasses.replace(w, group_size=size))
+        return dataclasses.replace(self, weights=dataclasses.replace(w, strategy="channel", group_size=None))
+
+    def describe_weights(self) -> str:
+        w = self.weights
+        if w.strategy == "group":
+            return f"group {w.group_size}"
+        return f"block {w.block[0]}x{w.block[1]}" if w.strategy == "block" else f"per {w.strategy}"
+
 
 PRESETS: dict[str, Scheme] = {
     "W4A16": Scheme("W4A16", WeightQuant(4, "int", True, "group", 128)),
@@ -83,6 +105,10 @@ PRESETS: dict[str, Scheme] = {
     "W8A8": Scheme("W8A8", WeightQuant(8, "int", True, "channel", None), ActivationQuant(), "int-quantized"),
     "FP8_DYNAMIC": Scheme("FP8_DYNAMIC", WeightQuant(8, "float", True, "channel", None),
                           ActivationQuant(type="float"), "float-quantized"),
+    # DeepSeek-V3's own format (and llm-compressor's preset): float8 weights with a scale per 128x128
+    # block, activations quantized on the fly per token and group of 128. Data-free: always rounded.
+    "FP8_BLOCK": Scheme("FP8_BLOCK", WeightQuant(8, "float", True, "block", None, block=(128, 128)),
+                        ActivationQuant(type="float", strategy="group", group_size=128), "float-quantized"),
 }
 # Lower-bit variants exist to show what a bad setting does (verify must catch them), not to ship.
 PRESETS["W3A16"] = Scheme("W3A16", WeightQuant(3, "int", True, "group", 128))

@@ -132,7 +132,7 @@ def coverage_rows(cov: dict) -> list[list[str]]:
                                          f"{fmt(cov.get('vocab_share_eval'), 'pct')}"],
             ["eval tokens unseen in calib", fmt(cov.get("eval_tokens_unseen_in_calib"), "pct")],
             ["calib/eval text overlap", fmt(cov.get("text_overlap"), "pct")]]
-    if "tokens_per_expert" in cov:
+    if cov.get("tokens_per_expert"):  # RTN runs no calibration pass, so it has no routing counts
         never = sum(c == 0 for counts in cov["tokens_per_expert"].values() for c in counts)
         rows.append(["experts never routed", fmt(never)])
     # Calibration activations far from eval ones mean scales were fit on the wrong distribution.

@@ -1,0 +1,123 @@
+"""Resumable quantize runs: an interrupted run keeps its finished layers, --resume continues with the
+same settings, and the output is byte for byte what an uninterrupted run writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from quantship.cli import main
+from quantship.errors import QuantshipError
+from quantship.quant import pipeline
+from quantship.quant.pipeline import QuantizeOptions, quantize
+
+GPTQ = dict(method="gptq", samples=4, seq_len=64)
+VARYING = ("seconds", "resumed_from_layer")  # the recipe's timing differs between any two runs
+
+
+def _same_output(a, b):
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    for name in files:
+        if name == "quantship_recipe.json":
+            ra, rb = (json.loads((d / name).read_text()) for d in (a, b))
+            assert {k: v for k, v in ra.items() if k not in VARYING} == {k: v for k, v in rb.items() if k not in VARYING}
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "q"
+    quantize("tiny", out, QuantizeOptions(**GPTQ), progress=False)
+    return out
+
+
+def _interrupt_after(monkeypatch, layers: int):
+    """Ctrl-C while the layer after `layers` finished ones is being run."""
+    calls = {"n": 0}
+    real = pipeline._run
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == layers + 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_run", interrupted)
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(clean, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "q"
+    _interrupt_after(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        quantize("tiny", out, QuantizeOptions(**GPTQ), progress=False)
+    partial = tmp_path / ".q.partial"
+    assert not out.exists() and partial.is_dir()
+    assert not (partial / "config.json").exists()  # nothing there looks like a finished checkpoint
+    assert json.loads((partial / "resume" / "state.json").read_text())["next_layer"] == 3
+    assert "3 of 8 layers are kept" in capsys.readouterr().err
+    monkeypatch.undo()
+    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True), progress=False)
+    assert recipe["resumed_from_layer"] == 3 and not partial.exists()
+    _same_output(clean, out)
+
+
+def test_a_changed_setting_is_refused_with_its_name(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "q"
+    _interrupt_after(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        quantize("tiny", out, QuantizeOptions(**GPTQ), progress=False)
+    monkeypatch.undo()
+    with pytest.raises(QuantshipError, match="--resume refused: dampening was 0.01 in the interrupted run, now 0.05"):
+        quantize("tiny", out, QuantizeOptions(**GPTQ, dampening=0.05, resume=True), progress=False)
+    capsys.readouterr()
+    assert main(["quantize", "-o", str(out), "--method", "awq", "--samples", "4", "--seq-len", "64", "--resume",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "method was 'gptq' in the interrupted run, now 'awq'" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / ".q.partial" / "resume" / "state.json").is_file()  # a refusal keeps what was kept
+    # Without --resume the same output starts over.
+    quantize("tiny", out, QuantizeOptions(samples=4, seq_len=64), progress=False)
+    assert out.is_dir() and not (tmp_path / ".q.partial").exists()
+
+
+def test_resume_with_nothing_to_resume(tmp_path, capsys):
+    assert main(["quantize", "-o", str(tmp_path / "q"), "--resume", "--quiet"]) == 2
+    assert "no interrupted run of this output to continue" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_process_resumes_to_the_same_bytes(clean, tmp_path):
+    """SIGKILL runs no cleanup at all: what the last finished layer recorded must be enough."""
+    out = tmp_path / "q"
+    command = [sys.executable, "-m", "quantship.cli", "quantize", "-o", str(out), "--method", "gptq",
+               "--samples", "4", "--seq-len", "64", "--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = tmp_path / ".q.partial" / "resume" / "state.json"
+    deadline = time.time() + 600
+    while time.time() < deadline and process.poll() is None:
+        if state.is_file() and json.loads(state.read_text())["next_layer"] >= 2:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True), progress=False)
+    assert recipe["resumed_from_layer"] >= 2
+    _same_output(clean, out)
+
+
+def test_rtn_runs_no_calibration_pass(tmp_path, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("RTN ran a calibration forward pass")
+
+    monkeypatch.setattr(pipeline, "_run", forbidden)
+    monkeypatch.setattr(pipeline, "collect_stats", forbidden)
+    recipe = quantize("tiny", tmp_path / "q", QuantizeOptions(samples=4, seq_len=64), progress=False)
+    assert recipe["calibration"] == {} and recipe["tokens_per_expert"] == {}
