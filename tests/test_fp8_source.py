@@ -81,7 +81,13 @@ def test_info_says_fp8_block_source(fp8, capsys):
 def test_quantize_then_verify_against_the_fp8_original(fp8, w4_from_fp8):
     ck = Checkpoint(w4_from_fp8)
     qc = ck.config.raw["quantization_config"]
-    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    # The decoder layers are W4A16; the MTP layer is kept in its published FP8 blocks (--mtp keep), so the
+    # checkpoint as a whole is mixed-precision with one group per format.
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "mixed-precision"
+    formats = {g["format"]: g for g in qc["config_groups"].values()}
+    assert set(formats) == {"pack-quantized", "float-quantized"}
+    assert formats["pack-quantized"]["weights"]["num_bits"] == 4
+    assert formats["float-quantized"]["targets"] == [r"re:model\.layers\.8\.(self_attn|mlp)\."]
     assert not any(n.endswith("weight_scale_inv") for n in ck.files)
     assert ck.files and all(ck.read([n])[n].dtype != torch.float8_e4m3fn for n in list(ck.files)[:50])
     report = verify(fp8, w4_from_fp8, VerifyOptions(max_tokens=1024, sensitivity=False, generations=False,
