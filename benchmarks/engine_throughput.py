@@ -174,6 +174,7 @@ def load_pair(where: str, shape: str = "coder-6.7b", layers: int | None = None):
 
     from quantship.models.causal_lm import CausalLM
     from quantship.models.config import config_from_dict
+    from quantship.models.loader import split_fused_experts
 
     if where == "cpu":
         from quantship.models.bundled import TINY_DIR
@@ -189,7 +190,7 @@ def load_pair(where: str, shape: str = "coder-6.7b", layers: int | None = None):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.device("meta"):
         ours = CausalLM(config_from_dict(raw))
-    ours.load_state_dict(hf.state_dict(), assign=True)  # same tensors, no second copy
+    ours.load_state_dict(split_fused_experts(hf.state_dict()), assign=True)  # same tensors, no second copy
     return hf, ours.eval(), shape, torch.bfloat16
 
 

@@ -37,17 +37,19 @@ def test_the_llama_decode_step_gives_the_same_logits_through_the_kernel(llama_di
     from quantship.models import paged
     from quantship.models.loader import load_model
 
-    model = load_model(llama_dir, torch.float32)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(llama_dir, torch.float32, device=device)
     block, lengths = 16, [5, 20, 33]
-    kv = [torch.zeros(16 * block, paged.cache_width(model.config)) for _ in model.model.layers]
+    kv = [torch.zeros(16 * block, paged.cache_width(model.config), device=device) for _ in model.model.layers]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    ids = torch.randint(3, 1000, (sum(lengths) + 3,), generator=torch.Generator().manual_seed(0))
-    batch, positions = paged.PagedBatch.build(kv, tables, [0, 0, 0], lengths, block, torch.device("cpu"))
+    ids = torch.randint(3, 1000, (sum(lengths) + 3,), generator=torch.Generator().manual_seed(0)).to(device)
+    batch, positions = paged.PagedBatch.build(kv, tables, [0, 0, 0], lengths, block, device)
     with torch.inference_mode():
         model.hidden_states(ids[None, :sum(lengths)], positions, batch)
         step = []
         for kernel in (False, True):
             monkeypatch.setattr(paged, "use_decode_kernel", lambda q, kernel=kernel: kernel)
-            batch, positions = paged.PagedBatch.build(kv, tables, lengths, [1, 1, 1], block, torch.device("cpu"))
+            batch, positions = paged.PagedBatch.build(kv, tables, lengths, [1, 1, 1], block, device)
             step.append(model(ids[None, sum(lengths):], positions, batch))
-    assert torch.allclose(step[0], step[1], atol=1e-4, rtol=1e-4)
+    tolerance = 1e-4 if device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
+    assert torch.allclose(step[0], step[1], atol=tolerance, rtol=tolerance)

@@ -91,17 +91,20 @@ def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
     from quantship.quant.rtn import rtn_quantize
     from quantship.quant.scheme import WeightQuant
 
-    model = load_model(TINY_DIR, torch.float32)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(TINY_DIR, torch.float32, device=device)
     moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "enable_fused_kernels"))
     if quantize:
         for expert in moe.experts:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 q = rtn_quantize(getattr(expert, name).weight.data, WeightQuant(num_bits=4, group_size=64))
                 setattr(expert, name, quant_linear(q.values, q.scale.float(), q.zero_point, bits=4))
-    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     weights, indices = moe.gate(x)
     looped = moe.routed(x, weights, indices)
     assert moe.enable_fused_kernels()
     fused = fused_moe.fused_moe(x, *moe.fused, weights, indices)
-    assert torch.allclose(fused, looped, atol=1e-4, rtol=1e-4)
-    assert torch.equal(moe.routed(x, weights, indices), looped)  # on CPU the loop runs, over views of the stack
+    tolerance = 1e-4 if device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
+    assert torch.allclose(fused, looped, atol=tolerance, rtol=tolerance)
+    # On CPU the loop runs (over views of the stack); on CUDA the module itself takes the fused path.
+    assert torch.equal(moe.routed(x, weights, indices), fused if device.type == "cuda" else looped)

@@ -70,3 +70,21 @@ def test_cached_decoding_matches_full_forward(reference_dirs, name):
         for t in range(17, 30):
             parts.append(model(ids[:, t:t + 1], cache=cache))
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group"])
+def test_transformers_in_memory_state_dict_loads_into_ours(reference_dirs, name):
+    """transformers 5 holds routed experts fused ([E, 2I, H] gate+up, [E, H, I] down) in memory;
+    split_fused_experts maps them onto our per-expert Linears (the GPU benchmarks share weights this way)."""
+    from quantship.models.causal_lm import CausalLM
+    from quantship.models.loader import split_fused_experts
+
+    directory, reference = reference_dirs[name]
+    state = reference.state_dict()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # the layout this test is about
+    with torch.device("meta"):
+        ours = CausalLM(Checkpoint(directory).config)
+    ours.load_state_dict(split_fused_experts(state), assign=True)
+    ids = _ids(batch=1, seq=40)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), reference(ids).logits, atol=2e-5, rtol=1e-4)

@@ -8,6 +8,7 @@ from torch import nn
 
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
+from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
 from quantship.kernels.fused_moe import BLOCK_K as FUSED_MOE_BLOCK_K
 from quantship.kernels.fused_moe import ExpertWeights, fused_moe
 from quantship.models.paged import PagedBatch, dense_weight
@@ -159,7 +160,7 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def routed(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and flat.is_cuda:
+        if self.fused is not None and on_gpu_kernel(flat):
             return fused_moe(flat, *self.fused, weights, indices)
         out = torch.zeros_like(flat)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
@@ -178,7 +179,7 @@ class MoE(nn.Module):
         projections = [[getattr(e, name) for e in self.experts] for name in ("gate_proj", "up_proj", "down_proj")]
         linears = [m for group in projections for m in group]
         if all(type(m) is nn.Linear and m.bias is None for m in linears):
-            return True
+            return linears[0].weight.dtype in KERNEL_DTYPES
         if not all(isinstance(m, PackedLinear) and m.bias is None for m in linears):
             return False
         schemes = [{(m.bits, m.group_size, m.weight_zero_point is not None) for m in group} for group in projections]

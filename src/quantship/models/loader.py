@@ -26,7 +26,25 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # transformers 5 may write routed experts fused as 3-D tensors; we split them into per-expert Linears.
-_FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(.*mlp\.experts\.)(gate_up_proj|down_proj)$")
+
+
+def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with transformers 5's fused expert tensors ([E, 2I, H] gate+up, [E, H, I] down) split
+    into the per-expert Linear weights the published checkpoints and our model use (views, no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        fused = _FUSED.match(name)
+        if not fused:
+            out[name] = t
+            continue
+        prefix, kind = fused.groups()
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = t[e].chunk(2, dim=0)
+            else:
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+    return out
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -117,20 +135,8 @@ class Checkpoint:
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """The tensors of decoder layer `index`, named relative to the layer, experts split per expert."""
         prefix = f"model.layers.{index}."
-        state: dict[str, torch.Tensor] = {}
-        for name, t in self.read(self.layer_tensors.get(index, [])).items():
-            local = name[len(prefix):]
-            fused = _FUSED.match(local)
-            if not fused:
-                state[local] = t
-                continue
-            for e in range(t.shape[0]):
-                if fused.group(1) == "gate_up_proj":
-                    gate, up = t[e].chunk(2, dim=0)
-                    state[f"mlp.experts.{e}.gate_proj.weight"] = gate
-                    state[f"mlp.experts.{e}.up_proj.weight"] = up
-                else:
-                    state[f"mlp.experts.{e}.down_proj.weight"] = t[e]
+        raw = self.read(self.layer_tensors.get(index, []))
+        state = split_fused_experts({name[len(prefix):]: t for name, t in raw.items()})
         if self.fp8_source is not None:
             dequantize_state(state, self.fp8_source.block, prefix, self.files)
         return state

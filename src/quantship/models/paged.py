@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from quantship.kernels import paged_attention
+from quantship.kernels import on_gpu_kernel, paged_attention
 from quantship.models.config import ModelConfig
 
 # cuDNN's SDPA builds a new execution graph for every new key length (about 1.3 ms of host time per
@@ -45,7 +45,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def use_decode_kernel(q: torch.Tensor) -> bool:
     """The decode kernel runs on CUDA (a function, so a test can send CPU tensors to Triton's interpreter)."""
-    return q.is_cuda
+    return on_gpu_kernel(q)
 
 
 @dataclass

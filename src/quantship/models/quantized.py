@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantship.kernels import wna16
+from quantship.kernels import on_gpu_kernel, wna16
 
 FP8_MAX = 448.0
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -118,7 +118,7 @@ class PackedLinear(nn.Module):
                                 self.in_features, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.use_kernel:
+        if on_gpu_kernel(x) and self.use_kernel:
             rows = x.numel() // self.in_features
             decode = self.decode_weights() if x.dtype == torch.bfloat16 and rows <= wna16.TINYGEMM_MAX_M else None
             if decode is not None:
