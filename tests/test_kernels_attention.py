@@ -31,6 +31,61 @@ def test_decode_attention_equals_reference(seqs, heads, kv_heads, dim, lengths):
         assert out.dtype == dtype and error < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
 
 
+@pytest.mark.parametrize("seqs,heads,rank,rope,lengths", [
+    (1, 4, 64, 8, [1]),  # a single key; rope narrower than a dot tile
+    (3, 16, 128, 16, [5, 70, 130]),  # lengths across block edges
+    (2, 20, 512, 64, [33, 100]),  # DeepSeek-V2/V3 latent sizes; heads beyond one block of 16
+])
+def test_mla_decode_attention_equals_reference(seqs, heads, rank, rope, lengths):
+    g = torch.Generator().manual_seed(rank + seqs)
+    slots = 256
+    cache = torch.randn(slots, rank + rope, generator=g).to(DEVICE)
+    key_slots = torch.randint(0, slots, (seqs, max(lengths) + 21), generator=g, dtype=torch.int64).to(DEVICE)
+    q = torch.randn(seqs, heads, rank + rope, generator=g).to(DEVICE)
+    length = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = 0.05
+    expected = paged_attention.mla_reference(q, cache, key_slots, length, rank, scale)
+    # The reference itself: what the engine's general path computes (SDPA over the gathered, expanded context).
+    context = cache[key_slots[0, :lengths[0]]]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[:1].transpose(0, 1)[None], context[None, None],
+                                                            context[None, None, :, :rank], scale=scale)
+    torch.testing.assert_close(sdpa[0].transpose(0, 1), expected[:1], atol=1e-4, rtol=1e-4)
+    for dtype in [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []):
+        out = paged_attention.mla_decode_attention(q.to(dtype), cache.to(dtype), key_slots, length, rank, scale)
+        error = (out.float() - expected).norm() / expected.norm()
+        assert out.shape == (seqs, heads, rank) and out.dtype == dtype
+        assert error < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
+
+
+def test_the_deepseek_decode_step_gives_the_same_logits_through_the_mla_kernel(monkeypatch):
+    """The bundled DeepSeek-V3 (MLA + MoE) model's paged decode step, latent attention through the
+    kernel against the gather + SDPA path, after a prefill of three sequences of different lengths."""
+    from quantship.models import paged
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+
+    device = torch.device(DEVICE)
+    model = load_model(TINY_DIR, torch.float32, device=device)
+    calls = []
+    original = paged_attention.mla_decode_attention
+    monkeypatch.setattr(paged_attention, "mla_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    block, lengths = 16, [5, 20, 33]
+    kv = [torch.zeros(16 * block, paged.cache_width(model.config), device=device) for _ in model.model.layers]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    ids = torch.randint(3, 1000, (sum(lengths) + 3,), generator=torch.Generator().manual_seed(0)).to(device)
+    batch, positions = paged.PagedBatch.build(kv, tables, [0, 0, 0], lengths, block, device)
+    with torch.inference_mode():
+        model.hidden_states(ids[None, :sum(lengths)], positions, batch)
+        step = []
+        for kernel in (False, True):
+            monkeypatch.setattr(paged, "use_decode_kernel", lambda q, kernel=kernel: kernel)
+            batch, positions = paged.PagedBatch.build(kv, tables, lengths, [1, 1, 1], block, device)
+            step.append(model(ids[None, sum(lengths):], positions, batch))
+    assert len(calls) == model.config.num_hidden_layers  # every layer's decode went through the kernel
+    tolerance = 1e-4 if device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
+    assert torch.allclose(step[0], step[1], atol=tolerance, rtol=tolerance)
+
+
 def test_the_llama_decode_step_gives_the_same_logits_through_the_kernel(llama_dir, monkeypatch):
     """A Llama (GQA) model's paged decode step, attention through the kernel against the gather + SDPA
     path, after a prefill of three sequences of different lengths."""

@@ -36,3 +36,44 @@ def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, strid
         running_max = new_max
     out = acc / running_sum[:, None]
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, stride_slots, width, heads, scale,
+                            RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One sequence, BLOCK_H of its heads: every head attends to the same latent entries (c_kv ‖ k_rope)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < heads
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < ROPE
+    q_rows = (seq * heads + h).to(tl.int64)
+    q_row = q_ptr + q_rows[:, None] * (RANK + ROPE)
+    q_latent = tl.load(q_row + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_rope = tl.load(q_row + RANK + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    length = tl.load(lengths_ptr + seq)
+    running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    for j0 in range(0, length, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_ok = j < length
+        slot = tl.load(slots_ptr + seq * stride_slots + j, mask=j_ok, other=0).to(tl.int64)
+        entry = cache_ptr + slot[:, None] * width
+        latent = tl.load(entry + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
+        k_rope = tl.load(entry + RANK + p[None, :], mask=j_ok[:, None] & p_ok[None, :], other=0.0)
+        scores = tl.dot(q_latent, tl.trans(latent), out_dtype=tl.float32)
+        scores += tl.dot(q_rope, tl.trans(k_rope), out_dtype=tl.float32)
+        scores = tl.where(j_ok[None, :], scores * scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        weights = tl.exp(scores - new_max[:, None])
+        correction = tl.exp(running_max - new_max)
+        running_sum = running_sum * correction + tl.sum(weights, axis=1)
+        acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, out_dtype=tl.float32)
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + q_rows[:, None] * RANK + r[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & r_ok[None, :])

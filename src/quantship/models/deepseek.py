@@ -86,15 +86,22 @@ class MLAttention(nn.Module):
 
         w = dense_weight(self.kv_b_proj, x.dtype).view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
-        q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)
+        q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)  # [N, H, rank + rope]
+        out = batch.latent_decode_attention(index, q, self.kv_lora_rank, self.scale)
+        if out is None:
+            out = self.latent_attention(q, batch, index)
+        out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
+        return self.o_proj(out)[None]
+
+    def latent_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
+        """Absorbed queries [N, H, rank + rope] over each sequence's gathered latent context → [N, H, rank]
+        (prefill chunks and steps the decode kernel does not take)."""
         q = batch.pad(q).transpose(1, 2)  # [S, H, Q, rank + rope]
-        context = batch.context(index).to(x.dtype)[:, None]  # [S, 1, K, rank + rope]: one "head" shared by all
+        context = batch.context(index).to(q.dtype)[:, None]  # [S, 1, K, rank + rope]: one "head" shared by all
         keys = context.expand(-1, self.heads, -1, -1)
         values = context[..., : self.kv_lora_rank].expand(-1, self.heads, -1, -1)
         out = batch.attention(q, keys, values, self.scale)
-        out = batch.unpad(out.transpose(1, 2))  # [N, H, rank]
-        out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
-        return self.o_proj(out)[None]
+        return batch.unpad(out.transpose(1, 2))
 
 
 class Router(nn.Module):

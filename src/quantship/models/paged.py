@@ -91,6 +91,14 @@ class PagedBatch:
             return None
         return paged_attention.decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, kv_heads, scale)
 
+    def latent_decode_attention(self, layer: int, q: torch.Tensor, rank: int, scale: float) -> torch.Tensor | None:
+        """MLA's decode step on CUDA: absorbed queries [N, H, rank + rope] over the latent entries read
+        straight from the paged cache → [N, H, rank]. None where the general path must run."""
+        if not (use_decode_kernel(q) and self.query_index.shape[1] == 1
+                and paged_attention.mla_supports(rank, q.shape[-1] - rank)):
+            return None
+        return paged_attention.mla_decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, rank, scale)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [S, H, Q, D] over k/v [S, H, K, *] under this step's causal-and-length mask."""
         with sdpa_kernel(ATTENTION_BACKENDS):
