@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from quantship.cli import main
@@ -256,6 +257,46 @@ def test_metrics_have_vllm_names_and_count_what_was_answered(async_engine):
     assert metric(after, "http_requests_total", handler="/v1/completions", status="4xx") == 1
     assert metric(after, "vllm:cache_config_info", block_size="16") == 1
     assert "vllm:prompt_tokens_total_total" not in after
+
+
+def test_expert_stats_count_every_routed_token_when_asked(async_engine):
+    """serve --expert-stats: per MoE layer and expert, the tokens the router sent there, exactly as the
+    model's own router picks them over the same tokens; absent from /metrics unless asked."""
+    with TestClient(create_app(async_engine)) as c:
+        assert "quantship:moe_expert_tokens" not in c.get("/metrics").text
+    config = EngineConfig(max_model_len=512, max_num_seqs=4, enable_prefix_caching=False, expert_stats=True)
+    engine = AsyncEngine(load_engine(TINY_DIR, config=config), "tiny")
+    engine.start()
+    try:
+        with TestClient(create_app(engine)) as c:
+            answer = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True,
+                                                     "temperature": 0, "logprobs": 0}).json()
+            text = c.get("/metrics").text
+    finally:
+        asyncio.run(engine.shutdown(drain=False, timeout=1))
+    model = engine.engine.runner.model
+    prompt_ids = engine.engine.tokenizer(PROMPT)["input_ids"]
+    generated = engine.engine.tokenizer(answer["choices"][0]["text"], add_special_tokens=False)["input_ids"]
+    assert len(prompt_ids) == answer["usage"]["prompt_tokens"]
+    # Every computed token (the prompt, then each generated token but the last) routed through each layer.
+    routed: dict[int, torch.Tensor] = {}
+    moe_layers = {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "expert_tokens")}
+    hooks = [moe.gate.register_forward_hook(
+        lambda _m, _i, out, i=i, n=len(moe.experts): routed.__setitem__(i, torch.bincount(out[1].flatten(), minlength=n)))
+        for i, moe in moe_layers.items()]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([(prompt_ids + generated)[:len(prompt_ids) + 5]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert moe_layers and set(routed) == set(moe_layers)
+    for layer, counts in routed.items():
+        for expert, count in enumerate(counts.tolist()):
+            assert metric(text, "quantship:moe_expert_tokens_total", model_name="tiny", layer=str(layer),
+                          expert=str(expert)) == count
+    top_k = model.config.num_experts_per_tok
+    assert metric(text, "quantship:moe_expert_tokens_total") == len(moe_layers) * (len(prompt_ids) + 5) * top_k
 
 
 # --- --engine vllm ------------------------------------------------------------------------------------

@@ -307,7 +307,7 @@ def cmd_serve(args) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
         prefix_caching=not args.no_prefix_caching,
         inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate,
-        request_timeout_s=args.request_timeout, otlp_endpoint=args.otlp_endpoint))
+        request_timeout_s=args.request_timeout, otlp_endpoint=args.otlp_endpoint, expert_stats=args.expert_stats))
 
 
 def cmd_deploy(args) -> int:
@@ -697,6 +697,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-endpoint", metavar="URL",
                    help="OpenTelemetry request traces over OTLP/HTTP, e.g. http://127.0.0.1:4318 (default off; "
                         "OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_* variables work too)")
+    p.add_argument("--expert-stats", action="store_true",
+                   help="MoE models: count tokens routed to each expert (metric quantship:moe_expert_tokens_total); "
+                        "decode steps then run without CUDA graphs")
 
     p = add("deploy", "Kubernetes manifests for a served model (GPU scheduling, Guaranteed QoS, startup budget, "
                       "queue autoscaling, canary), validated offline; `deploy validate DIR`, `deploy verify MODEL`.",

@@ -141,6 +141,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()  # plain reads of counters: safe enough for metrics without a lock
 
+    def expert_tokens(self) -> dict[int, list[int]] | None:
+        """Per MoE layer, tokens routed to each expert (serve --expert-stats); read at scrape time. Counters
+        only grow, so a read racing a step is at worst a step behind in some layers."""
+        return self.engine.runner.expert_tokens()
+
     def add_listener(self, listener: Callable[[RequestMetrics], None]) -> None:
         """Called (from the engine thread) with the metrics of every request that finishes."""
         self._listeners.append(listener)

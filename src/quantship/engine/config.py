@@ -18,6 +18,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the model allows (GPU only)
+    # Count the tokens routed to each expert of each MoE layer (exported as a metric). Decode steps then
+    # run eagerly: a graph's padding rows would be counted as tokens.
+    expert_stats: bool = False
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):

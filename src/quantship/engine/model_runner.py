@@ -16,7 +16,7 @@ log = logging.getLogger("quantship.engine")
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, cuda_graphs: bool = True,
-                 max_seqs: int = 64, max_len: int = 2048):
+                 max_seqs: int = 64, max_len: int = 2048, expert_stats: bool = False):
         self.model = model
         self.block_size = block_size
         first = next(model.parameters())
@@ -29,9 +29,19 @@ class ModelRunner:
             for module in model.modules():
                 if hasattr(module, "enable_fused_kernels"):
                     module.enable_fused_kernels()
+        self.moe_layers = {i: layer.mlp for i, layer in enumerate(model.model.layers)
+                           if hasattr(layer.mlp, "expert_tokens")}
+        if expert_stats:
+            for moe in self.moe_layers.values():
+                moe.expert_tokens = torch.zeros(len(moe.experts), dtype=torch.long, device=self.device)
         self.graphs = None
-        if cuda_graphs and DecodeGraphs.supported(model):
+        if cuda_graphs and not (expert_stats and self.moe_layers) and DecodeGraphs.supported(model):
             self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, max_seqs, max_len)
+
+    def expert_tokens(self) -> dict[int, list[int]] | None:
+        """Tokens routed to each expert so far, by decoder layer; None unless expert_stats is on."""
+        counts = {i: moe.expert_tokens for i, moe in self.moe_layers.items() if moe.expert_tokens is not None}
+        return {i: c.tolist() for i, c in counts.items()} or None
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:

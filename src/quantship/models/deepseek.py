@@ -156,11 +156,16 @@ class MoE(nn.Module):
         # The stacked experts once the serving engine turned the fused kernels on (CUDA); the quantizer
         # never does, since its calibration hooks must see every expert's own Linear run.
         self.fused: tuple[ExpertWeights, ExpertWeights, ExpertWeights] | None = None
+        # Routed token slots per expert, counted on the device only when asked (serve --expert-stats).
+        self.expert_tokens: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
+        if self.expert_tokens is not None:  # index_add_, not bincount: no host sync
+            chosen = indices.flatten()
+            self.expert_tokens.index_add_(0, chosen, torch.ones_like(chosen))
         out = self.routed(flat, weights, indices)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -76,6 +76,14 @@ class EngineStateCollector(Collector):
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([str(s.block_size), str(s.num_blocks), str(self.prefix_caching)], 1)
         yield info
+        experts = self.engine.expert_tokens()
+        if experts is not None:
+            routed = CounterMetricFamily("quantship:moe_expert_tokens", "Tokens routed to each expert of each MoE "
+                                         "layer (serve --expert-stats).", labels=["model_name", "layer", "expert"])
+            for layer, counts in experts.items():
+                for expert, count in enumerate(counts):
+                    routed.add_metric([self.model_name, str(layer), str(expert)], count)
+            yield routed
 
 
 class ServerMetrics:

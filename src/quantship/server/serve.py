@@ -42,6 +42,7 @@ class ServeOptions:
     inject_error_rate: float = 0.0
     request_timeout_s: float | None = None
     otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/HTTP (or the OTEL_* variables)
+    expert_stats: bool = False  # count tokens per routed expert (metric quantship:moe_expert_tokens_total)
 
 
 def default_model_name(path: Path) -> str:
@@ -77,6 +78,8 @@ def _check(opts: ServeOptions) -> None:
         from quantship.server.tracing import traces_url
 
         traces_url(opts.otlp_endpoint)  # a malformed URL fails now, not at the first export
+    if opts.expert_stats and opts.engine == "vllm":
+        raise QuantshipError("--expert-stats counts in quantship's own engine; with --engine vllm it has no effect")
 
 
 def _read_api_key(path: Path, given: str | None) -> str:
@@ -145,7 +148,7 @@ def _build(path: Path, name: str, opts: ServeOptions):
     from quantship.server.app import create_app
     from quantship.server.tracing import build_request_tracer
 
-    config = EngineConfig(enable_prefix_caching=opts.prefix_caching)
+    config = EngineConfig(enable_prefix_caching=opts.prefix_caching, expert_stats=opts.expert_stats)
     for option, field_name in (("max_queue", "max_waiting"), ("max_num_seqs", "max_num_seqs"),
                                ("max_model_len", "max_model_len"), ("block_size", "block_size")):
         if getattr(opts, option) is not None:
