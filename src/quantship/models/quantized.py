@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantship.kernels import on_gpu_kernel, wna16
+from quantship.kernels import fp8, on_gpu_kernel, wna16
 
-FP8_MAX = 448.0
+FP8_MAX = fp8.FP8_MAX
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
@@ -67,9 +67,18 @@ class QuantLinear(nn.Module):
         return dequantize(self.weight_values, self.weight_scale, self.weight_zero_point, self.weight_g_idx).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_tensor_cores(x):
+            return fp8.scaled_linear(x, self.weight_values, self.weight_scale, self.bias)
         if self.activations:
             x = quantize_activations(x, self.activations)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def fp8_tensor_cores(self, x: torch.Tensor) -> bool:
+        """FP8_DYNAMIC (float8 weights with one scale per output channel, float8 activations per token)
+        runs as one float8 matmul where the GPU has float8 tensor cores."""
+        return (self.activations == "float" and self.weight_values.dtype == torch.float8_e4m3fn
+                and self.weight_scale.shape[1] == 1 and self.weight_g_idx is None and fp8.available(x)
+                and fp8.shapes_fit(self.in_features, self.out_features))
 
     def _apply(self, fn, recurse=True):
         # model.to(dtype) must cast scales only: integer and float8 values keep their dtype.
