@@ -225,3 +225,48 @@ def test_incremental_detokenization_equals_a_full_decode(tiny):
             streamed += tracker.take(False)
         streamed += tracker.take(True)
         assert streamed == tracker.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_batch_built_on_the_device_equals_the_host_build():
+    """PagedBatch.for_decode (what a CUDA graph replays) gives every field `build` gives for a decode step."""
+    from quantship.models.paged import PagedBatch
+
+    kv = [torch.zeros(40 * 4, 8)]
+    tables = [[3, 7, 1], [5], [2, 9, 4, 8, 6], [0]]
+    starts = [9, 2, 17, 0]  # the token each sequence computes now; its context is start + 1 keys
+    for key_len in (None, 32):
+        built, positions = PagedBatch.build(kv, tables, starts, [1] * 4, 4, torch.device("cpu"), key_len)
+        width = max(map(len, tables))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        k = built.key_slots.shape[1]
+        made, made_positions = PagedBatch.for_decode(kv, padded, torch.tensor(starts) + 1, 4, k)
+        assert torch.equal(made_positions, positions)
+        for name in ("slots", "query_index", "query_valid", "unpad_index", "mask", "key_lengths"):
+            assert torch.equal(getattr(made, name), getattr(built, name)), name
+        for s, start in enumerate(starts):  # key slots agree where a sequence has keys; the rest is masked
+            assert torch.equal(made.key_slots[s, :start + 1], built.key_slots[s, :start + 1])
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_the_graph_inputs_give_the_eager_step_logits(reference_dirs, name):
+    """What a CUDA graph replays, run eagerly on CPU: the staged rows (token, context length, block
+    table; padded to the bucket) through PagedBatch.for_decode give the eager decode step's logits."""
+    from quantship.engine.cuda_graphs import stage_rows
+    from quantship.models.paged import PagedBatch
+
+    model = load_model(reference_dirs[name][0], DTYPE)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=32))
+    for i, prompt in enumerate(([5, 6, 7], [8] * 9, [9, 10] * 5)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # the prefill: each sequence now has one new token to decode
+    scheduled = [(seq, 1) for seq in engine.sequences.values()]
+    assert all(seq.num_tokens == seq.num_computed + 1 for seq, _ in scheduled)
+    runner = engine.runner
+    eager = runner.run(scheduled)[1]
+    size, width, scratch = 4, 8, 32  # one padding row; the scratch block is the runner's spare block
+    staged = stage_rows(scheduled, size, width, scratch)
+    assert staged[3].tolist() == [0, 1] + [scratch] * width
+    with torch.inference_mode():
+        batch, positions = PagedBatch.for_decode(runner.kv, staged[:, 2:], staged[:, 1], 4, width * 4)
+        graphed = model.lm_head(model.hidden_states(staged[:, 0][None], positions, batch)[0])
+    torch.testing.assert_close(graphed[:3], eager, rtol=1e-9, atol=1e-9)

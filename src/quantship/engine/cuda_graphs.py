@@ -11,16 +11,11 @@ else runs eagerly, as on CPU.
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
 from quantship.models.paged import PagedBatch
-
-TENSOR_FIELDS = [f.name for f in fields(PagedBatch) if f.name not in ("kv", "_rope")]
-
 
 def buckets(limit: int, first: int) -> list[int]:
     """first, 2*first, 4*first, ... until one reaches limit."""
@@ -50,18 +45,18 @@ class DecodeGraphs:
         longest = max(seq.num_tokens for seq, _ in scheduled)
         return decode_only and len(scheduled) <= self.seq_buckets[-1] and longest <= self.key_buckets[-1]
 
-    def _inputs(self, tables, starts, key_len):
-        batch, positions = PagedBatch.build(self.kv, tables, starts, [1] * len(tables), self.block_size,
-                                            self.device, key_len)
-        return batch, positions
-
     def _capture(self, size: int, key_len: int) -> tuple:
-        ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
-        batch, positions = self._inputs([[self.scratch]] * size, [0] * size, key_len)
+        # The graph's only input: one row per sequence of [token id, context length after the step, block
+        # table...]. The step's batch (slots, masks, key slots) is derived from it on the device inside the
+        # graph (PagedBatch.for_decode), so a step uploads this one small tensor. Rows start as padding.
+        width = -(-key_len // self.block_size)
+        staged = torch.zeros(size, 2 + width, dtype=torch.long, device=self.device)
+        staged[:, 1], staged[:, 2:] = 1, self.scratch
 
         def forward() -> torch.Tensor:
-            batch._rope = None  # recompute the rope tables inside the graph, from the static positions
-            return self.model.lm_head(self.model.hidden_states(ids, positions, batch)[0])
+            ids, lengths, tables = staged[:, 0], staged[:, 1], staged[:, 2:]
+            batch, positions = PagedBatch.for_decode(self.kv, tables, lengths, self.block_size, key_len)
+            return self.model.lm_head(self.model.hidden_states(ids[None], positions, batch)[0])
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -73,7 +68,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
         self.pool = graph.pool()
-        return graph, ids, positions, batch, logits
+        return graph, staged, logits
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -83,15 +78,16 @@ class DecodeGraphs:
         key_len = next(b for b in self.key_buckets if b >= max(seq.num_tokens for seq, _ in scheduled))
         if (size, key_len) not in self.graphs:
             self.graphs[(size, key_len)] = self._capture(size, key_len)
-        graph, ids, positions, batch, logits = self.graphs[(size, key_len)]
-        pad = size - n
-        tables = [seq.block_table for seq, _ in scheduled] + [[self.scratch]] * pad
-        starts = [seq.num_computed for seq, _ in scheduled] + [0] * pad
-        step, step_positions = self._inputs(tables, starts, key_len)
-        tokens = [seq.token_ids[-1] for seq, _ in scheduled] + [0] * pad
-        ids.copy_(torch.tensor([tokens]), non_blocking=True)
-        positions.copy_(step_positions)
-        for name in TENSOR_FIELDS:
-            getattr(batch, name).copy_(getattr(step, name))
+        graph, staged, logits = self.graphs[(size, key_len)]
+        staged.copy_(stage_rows(scheduled, size, staged.shape[1] - 2, self.scratch))
         graph.replay()
         return logits[:n]
+
+
+def stage_rows(scheduled: list[tuple[Sequence, int]], size: int, width: int, scratch: int) -> torch.Tensor:
+    """[size, 2 + width] host rows [last token, context length, block table padded with the scratch
+    block]; rows past the scheduled sequences are padding that writes into the scratch block."""
+    rows = [[seq.token_ids[-1], seq.num_tokens] + (seq.block_table + [scratch] * width)[:width]
+            for seq, _ in scheduled]
+    rows += [[0, 1] + [scratch] * width] * (size - len(scheduled))
+    return torch.tensor(rows, dtype=torch.long)

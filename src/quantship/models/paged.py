@@ -133,6 +133,26 @@ class PagedBatch:
                     key_slots.to(device), mask[:, None].to(device), (start + count).to(torch.int32).to(device))
         return batch, positions.to(device)
 
+    @classmethod
+    def for_decode(cls, kv: list[torch.Tensor], tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                   key_len: int) -> tuple[PagedBatch, torch.Tensor]:
+        """The batch of a decode-only step made from device tensors alone (what `build` makes from host
+        lists for count 1 per sequence): tables [S, W] block ids, lengths [S] each sequence's context
+        after the step. Static shapes and no host reads, so a CUDA graph captures it and a step
+        uploads only its token ids, lengths and tables."""
+        s, width = tables.shape
+        device = tables.device
+        kpos = torch.arange(key_len, device=device)
+        blocks = tables.gather(1, (kpos // block_size).clamp(max=width - 1).expand(s, -1))
+        key_slots = blocks * block_size + kpos % block_size
+        positions = lengths - 1
+        mask = (kpos[None, :] <= positions[:, None])[:, None, None, :]
+        slots = key_slots.gather(1, positions[:, None])[:, 0]
+        rows = torch.arange(s, device=device)
+        batch = cls(kv, slots, rows[:, None], torch.ones(s, 1, dtype=torch.bool, device=device), rows, key_slots,
+                    mask, lengths.to(torch.int32))
+        return batch, positions
+
 
 def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The weight matrix of a Linear or a QuantLinear (dequantized), for absorbing it into attention."""
