@@ -108,3 +108,22 @@ def test_the_llama_decode_step_gives_the_same_logits_through_the_kernel(llama_di
             step.append(model(ids[None, sum(lengths):], positions, batch))
     tolerance = 1e-4 if device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
     assert torch.allclose(step[0], step[1], atol=tolerance, rtol=tolerance)
+
+
+def test_mla_prefill_in_head_chunks_equals_one_call(monkeypatch):
+    """A long prefill's latent attention runs its heads in chunks under a scores budget: same output."""
+    from quantship.models import deepseek, paged
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+
+    model = load_model(TINY_DIR, torch.float32)
+    lengths, block = [40, 7], 16
+    kv = [torch.zeros(8 * block, paged.cache_width(model.config)) for _ in model.model.layers]
+    ids = torch.randint(3, 1000, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    out = []
+    for budget in (deepseek.SCORES_BUDGET, 2 * 40 * 40 * 3):  # one call; then 3 of the 8 heads at a time
+        monkeypatch.setattr(deepseek, "SCORES_BUDGET", budget)
+        batch, positions = paged.PagedBatch.build(kv, [[0, 1, 2], [3]], [0, 0], lengths, block, torch.device("cpu"))
+        with torch.inference_mode():
+            out.append(model(ids[None], positions, batch))
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)

@@ -14,6 +14,9 @@ from quantship.kernels.fused_moe import ExpertWeights, fused_moe
 from quantship.models.paged import PagedBatch, dense_weight
 from quantship.models.quantized import PackedLinear
 
+# Most attention scores (elements) one prefill SDPA call of MLA may hold; see latent_attention.
+SCORES_BUDGET = 1 << 28
+
 
 class MLAttention(nn.Module):
     """MLA: keys and values are rebuilt from a small latent c_kv (kv_lora_rank) plus a shared rope key.
@@ -95,12 +98,22 @@ class MLAttention(nn.Module):
 
     def latent_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
         """Absorbed queries [N, H, rank + rope] over each sequence's gathered latent context → [N, H, rank]
-        (prefill chunks and steps the decode kernel does not take)."""
+        (prefill chunks and steps the decode kernel does not take).
+
+        The latent width (576 for V2/V3) is beyond the fused SDPA kernels, so SDPA computes the scores
+        [S, H, Q, K] whole: heads go in chunks that keep them within SCORES_BUDGET elements (a 512-token
+        chunk of a 32K prompt with 128 heads would otherwise need 8 GB of float32 scores per layer)."""
         q = batch.pad(q).transpose(1, 2)  # [S, H, Q, rank + rope]
         context = batch.context(index).to(q.dtype)[:, None]  # [S, 1, K, rank + rope]: one "head" shared by all
-        keys = context.expand(-1, self.heads, -1, -1)
-        values = context[..., : self.kv_lora_rank].expand(-1, self.heads, -1, -1)
-        out = batch.attention(q, keys, values, self.scale)
+        s, _, queries, _ = q.shape
+        step = max(1, SCORES_BUDGET // (s * queries * context.shape[2]))
+        parts = []
+        for h in range(0, self.heads, step):
+            heads = min(step, self.heads - h)
+            keys = context.expand(-1, heads, -1, -1)
+            values = context[..., : self.kv_lora_rank].expand(-1, heads, -1, -1)
+            parts.append(batch.attention(q[:, h:h + heads], keys, values, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return batch.unpad(out.transpose(1, 2))
 
 
