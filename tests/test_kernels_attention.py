@@ -57,57 +57,53 @@ def test_mla_decode_attention_equals_reference(seqs, heads, rank, rope, lengths)
         assert error < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
 
 
+def _decode_step_through_kernel_and_not(model, monkeypatch) -> list[torch.Tensor]:
+    """Logits of one paged decode step of three sequences (prefilled to 5, 20 and 33 tokens), with
+    attention through the decode kernel and through the gather + SDPA path."""
+    from quantship.models import paged
+
+    device = next(model.parameters()).device
+    block, lengths = 16, [5, 20, 33]
+    kv = [torch.zeros(16 * block, paged.cache_width(model.config), device=device) for _ in model.model.layers]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    ids = torch.randint(3, 1000, (sum(lengths) + 3,), generator=torch.Generator().manual_seed(0)).to(device)
+    batch, positions = paged.PagedBatch.build(kv, tables, [0, 0, 0], lengths, block, device)
+    step = []
+    with torch.inference_mode():
+        model.hidden_states(ids[None, :sum(lengths)], positions, batch)
+        for kernel in (False, True):
+            monkeypatch.setattr(paged, "use_decode_kernel", lambda q, kernel=kernel: kernel)
+            batch, positions = paged.PagedBatch.build(kv, tables, lengths, [1, 1, 1], block, device)
+            step.append(model(ids[None, sum(lengths):], positions, batch))
+    return step
+
+
+def _assert_close_for_device(a: torch.Tensor, b: torch.Tensor) -> None:
+    tolerance = 1e-4 if a.device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
+    assert torch.allclose(a, b, atol=tolerance, rtol=tolerance)
+
+
 def test_the_deepseek_decode_step_gives_the_same_logits_through_the_mla_kernel(monkeypatch):
     """The bundled DeepSeek-V3 (MLA + MoE) model's paged decode step, latent attention through the
-    kernel against the gather + SDPA path, after a prefill of three sequences of different lengths."""
-    from quantship.models import paged
+    kernel against the gather + SDPA path."""
     from quantship.models.bundled import TINY_DIR
     from quantship.models.loader import load_model
 
-    device = torch.device(DEVICE)
-    model = load_model(TINY_DIR, torch.float32, device=device)
+    model = load_model(TINY_DIR, torch.float32, device=DEVICE)
     calls = []
     original = paged_attention.mla_decode_attention
     monkeypatch.setattr(paged_attention, "mla_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    block, lengths = 16, [5, 20, 33]
-    kv = [torch.zeros(16 * block, paged.cache_width(model.config), device=device) for _ in model.model.layers]
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    ids = torch.randint(3, 1000, (sum(lengths) + 3,), generator=torch.Generator().manual_seed(0)).to(device)
-    batch, positions = paged.PagedBatch.build(kv, tables, [0, 0, 0], lengths, block, device)
-    with torch.inference_mode():
-        model.hidden_states(ids[None, :sum(lengths)], positions, batch)
-        step = []
-        for kernel in (False, True):
-            monkeypatch.setattr(paged, "use_decode_kernel", lambda q, kernel=kernel: kernel)
-            batch, positions = paged.PagedBatch.build(kv, tables, lengths, [1, 1, 1], block, device)
-            step.append(model(ids[None, sum(lengths):], positions, batch))
+    step = _decode_step_through_kernel_and_not(model, monkeypatch)
     assert len(calls) == model.config.num_hidden_layers  # every layer's decode went through the kernel
-    tolerance = 1e-4 if device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
-    assert torch.allclose(step[0], step[1], atol=tolerance, rtol=tolerance)
+    _assert_close_for_device(*step)
 
 
 def test_the_llama_decode_step_gives_the_same_logits_through_the_kernel(llama_dir, monkeypatch):
-    """A Llama (GQA) model's paged decode step, attention through the kernel against the gather + SDPA
-    path, after a prefill of three sequences of different lengths."""
-    from quantship.models import paged
+    """A Llama (GQA) model's paged decode step, attention through the kernel against the gather + SDPA path."""
     from quantship.models.loader import load_model
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(llama_dir, torch.float32, device=device)
-    block, lengths = 16, [5, 20, 33]
-    kv = [torch.zeros(16 * block, paged.cache_width(model.config), device=device) for _ in model.model.layers]
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    ids = torch.randint(3, 1000, (sum(lengths) + 3,), generator=torch.Generator().manual_seed(0)).to(device)
-    batch, positions = paged.PagedBatch.build(kv, tables, [0, 0, 0], lengths, block, device)
-    with torch.inference_mode():
-        model.hidden_states(ids[None, :sum(lengths)], positions, batch)
-        step = []
-        for kernel in (False, True):
-            monkeypatch.setattr(paged, "use_decode_kernel", lambda q, kernel=kernel: kernel)
-            batch, positions = paged.PagedBatch.build(kv, tables, lengths, [1, 1, 1], block, device)
-            step.append(model(ids[None, sum(lengths):], positions, batch))
-    tolerance = 1e-4 if device.type == "cpu" else 5e-3  # Triton's float32 dot runs in TF32 on the GPU
-    assert torch.allclose(step[0], step[1], atol=tolerance, rtol=tolerance)
+    model = load_model(llama_dir, torch.float32, device=DEVICE)
+    _assert_close_for_device(*_decode_step_through_kernel_and_not(model, monkeypatch))
 
 
 def test_mla_prefill_in_head_chunks_equals_one_call(monkeypatch):

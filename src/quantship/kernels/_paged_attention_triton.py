@@ -5,6 +5,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _online_softmax_step(scores, values, running_max, running_sum, acc):
+    """Fold one block of keys into the running softmax: scores [BLOCK_H, BLOCK_N] (masked keys at -inf),
+    values [BLOCK_N, D]; returns the new running max, sum and unnormalised output [BLOCK_H, D]."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    weights = tl.exp(scores - new_max[:, None])
+    correction = tl.exp(running_max - new_max)
+    running_sum = running_sum * correction + tl.sum(weights, axis=1)
+    acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, out_dtype=tl.float32)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, stride_slots, width, scale,
                         GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -28,12 +40,7 @@ def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, strid
         v = tl.load(row + (KV_HEADS + kv_head) * HEAD_DIM, mask=j_ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
         scores = tl.where(j_ok[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        p = tl.exp(scores - new_max[:, None])
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
@@ -68,12 +75,7 @@ def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, s
         scores = tl.dot(q_latent, tl.trans(latent), out_dtype=tl.float32)
         scores += tl.dot(q_rope, tl.trans(k_rope), out_dtype=tl.float32)
         scores = tl.where(j_ok[None, :], scores * scale, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_max[:, None])
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, out_dtype=tl.float32)
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(scores, latent, running_max, running_sum, acc)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + q_rows[:, None] * RANK + r[None, :], out.to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & r_ok[None, :])
