@@ -3,8 +3,9 @@
 Two DeepSeek-V3-shaped checkpoints (MLA, routed experts with groups, a shared expert, a leading
 dense layer) that differ only in depth, 3 and 6 layers, are quantized W4A16 in fresh processes;
 the peak RSS above the post-import baseline is compared. Both have at least two MoE layers: the
-allocator's high-water mark settles after the second (freed blocks reused from then on). Holding every layer, or every layer's
-calibration activations, would add four layers' worth; streaming adds allocator noise only.
+allocator's high-water mark settles after the second (freed blocks reused from then on). Holding
+every layer, or every layer's calibration activations, would add three layers' worth; streaming
+adds allocator noise only.
 """
 
 import json
