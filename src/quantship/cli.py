@@ -158,6 +158,8 @@ def cmd_quantize(args) -> int:
 
         opts.plan = read_plan(args.plan)
     recipe = quantize(args.model, args.output, opts, progress=not args.quiet)
+    if not recipe:  # a helper process of a torchrun group: rank 0 writes and reports
+        return 0
     if args.json:
         print(json.dumps(recipe, indent=2))
         return 0

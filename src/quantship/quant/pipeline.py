@@ -38,6 +38,7 @@ from quantship.models.quantized import quant_linear
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant import mtp as M
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
+from quantship.quant.distributed import DiscardingWriter, UnrecordedRun, Workers, from_environment
 from quantship.quant.fp8_block import block_quantize
 from quantship.quant.resume import ResumableRun, file_digest, source_fingerprint
 from quantship.quant.rtn import QuantizedTensor, rtn_quantize
@@ -174,7 +175,7 @@ def _round(weight: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
 
 
 def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
-                      stats: LayerStats, fallbacks: list[str]) -> dict[str, QuantizedTensor]:
+                      stats: LayerStats, fallbacks: list[str], workers: Workers) -> dict[str, QuantizedTensor]:
     # FP8 blocks are always rounded (data-free, as llm-compressor's FP8_BLOCK); a method applies to the rest.
     rounded = {n for n, s in schemes.items() if opts.method != "gptq" or s.weights.strategy == "block"}
     out = {n: _round(weights[n], schemes[n]) for n in rounded}
@@ -193,11 +194,15 @@ def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Schem
     for name in [n for n, h in hessians.items() if h is None]:  # no token reached it at all
         fallbacks.append(name)
         out[name] = rtn_quantize(weights[name], schemes[name].weights)
+    # Several processes (torchrun) deal the Linears out; each solves its share, then all results are shared.
+    solvable = [n for n, h in hessians.items() if h is not None]
+    mine = set(workers.mine(solvable))
     # Same-shaped weights with the same scheme (a layer's experts, q/k/v) share one column loop.
     batches: dict[tuple, list[str]] = {}
-    for name, h in hessians.items():
-        if h is not None:
+    for name in solvable:
+        if name in mine:
             batches.setdefault((tuple(weights[name].shape), schemes[name]), []).append(name)
+    solved: dict[str, QuantizedTensor] = {}
     for (shape, scheme), names in batches.items():
         step = max(1, HESSIAN_BATCH_BYTES // (shape[1] * shape[1] * 4))
         for start in range(0, len(names), step):
@@ -205,7 +210,9 @@ def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Schem
             results = gptq_quantize_many(torch.stack([weights[n] for n in chunk]),
                                          torch.stack([hessians[n] for n in chunk]), scheme.weights,
                                          dampening=opts.dampening)
-            out.update(zip(chunk, results))
+            solved.update(zip(chunk, results))
+    template = {n: QuantizedTensor(None, None, None, schemes[n].weights) for n in solvable}
+    out.update(workers.share(solved, solvable, template))
     return out
 
 
@@ -237,7 +244,7 @@ def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch:
 
 def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positions: torch.Tensor,
                     chosen: dict[str, Scheme], opts: QuantizeOptions, writer: ShardWriter,
-                    out_dtype: torch.dtype) -> dict:
+                    out_dtype: torch.dtype, workers: Workers) -> dict:
     """Calibrate, quantize and write one layer, leaving it quantized in place for the next layer's inputs."""
     schemes = {n: chosen[prefix + n] for n in linear_names(layer) if prefix + n in chosen}
     fallbacks: list[str] = []
@@ -260,7 +267,7 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
     if opts.method == "awq":
         weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
                    for n, w in weights.items()}
-    quantized = _quantize_weights(weights, schemes, opts, stats, fallbacks)
+    quantized = _quantize_weights(weights, schemes, opts, stats, fallbacks, workers)
     for name, q in quantized.items():
         _assert_finite(q, prefix + name)
         _swap(layer, name, q, schemes[name], out_dtype)
@@ -288,13 +295,23 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
     calib_path = Path(opts.calib) if opts.calib else TINY_DIR / "calib.txt"
     tokenizer = load_tokenizer(path)
     tokens, calib_info = calibration_tokens(calib_path, tokenizer, opts.samples, opts.seq_len)
-    device = torch.device(opts.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if torch.device(opts.device).type == "cuda" and not torch.cuda.is_available():
         raise QuantshipError("--device cuda asked for, but no CUDA device is available")
+    workers = from_environment(opts.device)
+    if workers.world > 1 and opts.resume:
+        raise QuantshipError("--resume continues a one-process run; start it again without torchrun")
+    device = workers.device
     tf32 = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":
         # TF32 matmuls for the forward passes and Hessians: ~8x faster, error far below 4-bit rounding.
         torch.backends.cuda.matmul.allow_tf32 = True
+    if not workers.writes:  # another process (rank 0) writes; this one solves its share of each layer
+        try:
+            _write_layers(ck, UnrecordedRun(), DiscardingWriter(), tokens, chosen, opts, workers, False, 0.0)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            workers.close()
+        return {}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # One fixed name per OUT, so that a later --resume finds what an interrupted run kept.
@@ -304,7 +321,7 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
     clock = (run.state["tallies"]["seconds"] if run.state else 0.0) - started
     try:
         writer = ShardWriter(tmp)
-        tallies = _write_layers(ck, run, writer, tokens, chosen, opts, device, progress, clock)
+        tallies = _write_layers(ck, run, writer, tokens, chosen, opts, workers, progress, clock)
         shards = writer.finish()
         recipe = _write_config_and_recipe(ck, tmp, chosen, group_fallbacks, opts, shards, tallies, device)
         recipe["calibration"] = calib_info if opts.method != "rtn" else {}
@@ -327,6 +344,7 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
         raise
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+        workers.close()
     return recipe
 
 
@@ -340,12 +358,13 @@ def _settings(path: Path, ck: Checkpoint, calib_path: Path, opts: QuantizeOption
 
 
 def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens: torch.Tensor,
-                  chosen: dict[str, Scheme], opts: QuantizeOptions, device: torch.device, progress: bool,
+                  chosen: dict[str, Scheme], opts: QuantizeOptions, workers: Workers, progress: bool,
                   clock: float) -> dict:
     """Every decoder layer (and MTP layer) quantized and handed to the writer; returns the recipe's tallies.
 
     RTN rounds each weight alone, so it runs no calibration forward pass at all. clock + time.time() is
     the seconds spent so far, earlier interrupted runs included."""
+    device = workers.device
     out_dtype = getattr(torch, ck.config.torch_dtype, torch.bfloat16)
     compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
     calibrated = opts.method != "rtn"
@@ -363,7 +382,8 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         writer.end_of_layer()
         tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
     for index, layer in _progress(ck, progress, compute_dtype, device, run.next_layer):
-        done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype)
+        done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype,
+                               workers)
         if done["expert_tokens"]:
             tallies["expert_tokens"][str(index)] = done["expert_tokens"]
         tallies["fallbacks"] += done["fallbacks"]
@@ -385,7 +405,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
                 norm = ck.tensor("model.norm.weight")  # the MTP layer reads the main model's normed output
                 mtp_hidden = M.calibration_input(layer, tokens, hidden, norm, ck.config.rms_norm_eps)
             done = _quantize_layer(layer, f"model.layers.{index}.", mtp_hidden, positions[:-1], chosen, opts,
-                                   writer, out_dtype)
+                                   writer, out_dtype, workers)
             tallies["fallbacks"] += done["fallbacks"]
             tallies["awq"].update(done["awq"])
             del layer, mtp_hidden
