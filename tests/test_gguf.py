@@ -290,6 +290,71 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf"]
 
 
+# --- the pre-tokenizer (tokenizer.ggml.pre) -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from tokenizer_families import FAMILIES, write_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: write_model(name, root / name) for name in [*FAMILIES, "unknown"]}
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-coder", "llama-bpe", "qwen2"])
+def test_pre_tokenizer_of_each_family_is_named_in_the_file(family_models, tmp_path, family):
+    result = export_gguf(family_models[family], tmp_path / "m.gguf", GGUFOptions(type="F16"))
+    fields = GGUFCheckpoint(result.path).fields
+    assert fields["tokenizer.ggml.pre"] == family and fields["tokenizer.ggml.model"] == "gpt2"
+    assert f"pre-tokenizer {family} (by its splits)" in "\n".join(summary_lines(result))
+
+
+def test_probe_hash_is_convert_hf_to_gguf_s_and_wins_over_the_splits(family_models, monkeypatch):
+    """convert_hf_to_gguf hashes str(AutoTokenizer.encode(probe)); ours hashes tokenizers' ids: the same.
+    A hash in the table names the tokenizer even where the splits would name another (R1-Distill-Qwen
+    splits like qwen2; llama.cpp calls it deepseek-r1-qwen)."""
+    from hashlib import sha256
+
+    from quantship.formats import gguf_pretok
+    from quantship.models.tokenizer import load_tokenizer
+
+    for family, path in family_models.items():
+        theirs = sha256(str(load_tokenizer(path).encode(gguf_pretok.PROBE)).encode()).hexdigest()
+        assert gguf_pretok.identify(path / "tokenizer.json", "gpt-2").chkhsh == theirs, family
+    qwen = family_models["qwen2"] / "tokenizer.json"
+    monkeypatch.setitem(gguf_pretok.KNOWN_HASHES, gguf_pretok.identify(qwen).chkhsh, "deepseek-r1-qwen")
+    assert gguf_pretok.identify(qwen) == gguf_pretok.PreTokenizer("deepseek-r1-qwen", "hash",
+                                                                  gguf_pretok.identify(qwen).chkhsh)
+
+
+def test_family_splits_tell_every_family_apart():
+    from itertools import combinations
+
+    from quantship.formats.gguf_pretok import _SPLIT_TEXT, FAMILY_SPLITS, family_pre_tokenizer
+
+    pieces = {n: [p for p, _ in family_pre_tokenizer(n).pre_tokenize_str(_SPLIT_TEXT)] for n in FAMILY_SPLITS}
+    assert all(pieces[a] != pieces[b] for a, b in combinations(pieces, 2))
+
+
+def test_unknown_pre_tokenizer_is_refused_unless_named(family_models, tmp_path, capsys):
+    def run(*extra):
+        code = main(["export", str(family_models["unknown"]), "--format", "gguf", "--type", "F16",
+                     "-o", str(tmp_path / "u.gguf"), *extra])
+        return code, capsys.readouterr()
+
+    code, out = run()
+    err = out.err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "tokenizer.json: pre-tokenizer [Split('\\\\p{N}{1,5}')" in err and "--pre-tokenizer NAME" in err
+    assert list(tmp_path.iterdir()) == []
+    code, out = run("--pre-tokenizer", "deepseek-v4")
+    assert code == 2 and "'deepseek-v4' is not a name llama.cpp knows" in out.err and list(tmp_path.iterdir()) == []
+    code, out = run("--pre-tokenizer", "deepseek-v3")
+    assert code == 0 and "pre-tokenizer deepseek-v3 (as given)" in out.out
+    assert GGUFCheckpoint(tmp_path / "u.gguf").fields["tokenizer.ggml.pre"] == "deepseek-v3"
+    code = main(["export", "tiny", "--format", "onnx", "-o", str(tmp_path / "x"), "--pre-tokenizer", "qwen2"])
+    assert code == 2 and "ONNX exports carry tokenizer.json" in capsys.readouterr().err
+
+
 def test_bf16_export_is_the_checkpoint(tmp_path):
     result = export_gguf("tiny", tmp_path / "bf16.gguf", GGUFOptions(type="BF16"))
     assert all(e == 0.0 for e in result.errors.values())

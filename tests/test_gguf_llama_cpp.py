@@ -108,3 +108,26 @@ def test_our_type_mix_is_llama_cpps(files, llama_dir, tmp_path, file_type):
 def test_llama_cpp_runs_our_distill_architectures(distills, tmp_path, kind):
     r = _compare(export_gguf(distills[kind], tmp_path / f"{kind}.gguf", GGUFOptions(type="F16")).path)
     assert r["kl"] < 1e-4 and r["greedy_same"], kind
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-coder", "llama-bpe", "qwen2"])
+def test_llama_cpp_tokenizes_each_family_as_its_tokenizer_does(tmp_path, family):
+    """The name we identify makes llama.cpp split text as the model's own tokenizer.json does (ids equal
+    on the probe text, code, CJK and the held-out text); another family's name would not. (DeepSeek-Coder's
+    splits are the finest of all, so a vocabulary trained under them tokenizes alike under every name;
+    the other families' files do differ under its name.)"""
+    from tokenizer_families import write_model
+    from tokenizers import Tokenizer
+
+    from quantship.formats.gguf_pretok import _SPLIT_TEXT, FAMILY_SPLITS
+
+    model = write_model(family, tmp_path / "m")
+    text = _SPLIT_TEXT + (TINY_DIR / "eval.txt").read_text(encoding="utf-8")[:3000]
+    ours = Tokenizer.from_file(str(model / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    same = {}
+    for name in [None, *(n for n in FAMILY_SPLITS if n != family)]:
+        path = export_gguf(model, tmp_path / f"{name}.gguf", GGUFOptions(type="F16", pre_tokenizer=name)).path
+        vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        same[name] = vocab.tokenize(text.encode(), add_bos=False, special=False) == ours
+    assert same.pop(None), "llama.cpp tokenizes differently from tokenizer.json under the identified name"
+    assert family == "deepseek-coder" or not all(same.values()), same

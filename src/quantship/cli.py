@@ -267,7 +267,8 @@ def cmd_export(args) -> int:
     from quantship.formats.export import ExportRequest, export
 
     request = ExportRequest(source=args.model, output=args.output, type=args.type, method=args.method,
-                            calib=args.calib, samples=args.samples, seq_len=args.seq_len, overwrite=args.overwrite)
+                            calib=args.calib, samples=args.samples, seq_len=args.seq_len, overwrite=args.overwrite,
+                            pre_tokenizer=args.pre_tokenizer)
     print("\n".join(export(args.format, request)))
     return 0
 
@@ -623,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples (default 128)")
     p.add_argument("--seq-len", type=integer(2), default=512, help="tokens per calibration sample (default 512)")
     p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--pre-tokenizer", metavar="NAME",
+                   help="gguf: llama.cpp's pre-tokenizer name (tokenizer.ggml.pre) for a tokenizer quantship cannot "
+                        "identify, e.g. deepseek-v3, deepseek-coder, llama-bpe, qwen2 (default: identified)")
 
     p = add("plan", "Choose a scheme per module from measured sensitivity under an average-bits budget.", cmd_plan)
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")

@@ -49,6 +49,7 @@ class GGUFOptions:
     seq_len: int = 512
     dampening: float = 0.01
     overwrite: bool = False
+    pre_tokenizer: str | None = None  # llama.cpp's name, when it cannot be identified (gguf_pretok.py)
 
 
 @dataclass
@@ -92,7 +93,7 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
     writer = gguf.GGUFWriter(tmp, gguf_arch(ck.config))
     try:
         add_metadata(writer, ck.config, ck.path.name, file_type)
-        tokenizer = add_tokenizer(writer, ck.path, ck.config.vocab_size)
+        tokenizer = add_tokenizer(writer, ck.path, ck.config.vocab_size, opts.pre_tokenizer)
         for p in plan:
             writer.add_tensor_info(p.spec.name, p.spec.shape, np.dtype(np.float32), _nbytes(p), raw_dtype=p.qtype)
         writer.write_header_to_file()
@@ -366,7 +367,8 @@ def summary_lines(result: ExportResult) -> list[str]:
         lines.append(f"fallback {old} -> {new} (row length {cols} is not a multiple of {blocks.block_size(T[old])}): "
                      f"{len(names)} tensors, e.g. {names[0]}")
     t = result.tokenizer
-    lines.append(f"tokenizer: gpt2 BPE, pre-tokenizer {t['pre']}, {t['tokens']} tokens, {t['merges']} merges"
+    how = {"hash": "by its probe hash", "splits": "by its splits", "override": "as given"}.get(t.get("pre_how"), "")
+    lines.append(f"tokenizer: gpt2 BPE, pre-tokenizer {t['pre']} ({how}), {t['tokens']} tokens, {t['merges']} merges"
                  + (", chat template" if t.get("chat_template") else ""))
     lines.append(f"run it: llama-server -m {result.path}")
     return lines

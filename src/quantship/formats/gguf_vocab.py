@@ -3,8 +3,9 @@
 Read from the model's own tokenizer.json (no transformers, nothing fetched); merges, special token
 ids, add_bos/add_eos and the chat template go through gguf-py's SpecialVocab, as convert_hf_to_gguf
 does. llama.cpp picks its pre-tokenizer (the regex that splits text before BPE) by name; a name it
-does not know, or the wrong one, tokenizes differently from the model, so an unknown pre-tokenizer
-is an error here rather than a guess.
+does not know, or the wrong one, tokenizes differently from the model: gguf_pretok.py identifies it
+the way convert_hf_to_gguf does (a hash of the tokenized probe text), or by its splits, and refuses a
+pre-tokenizer it cannot name rather than guessing.
 """
 
 from __future__ import annotations
@@ -16,23 +17,10 @@ from pathlib import Path
 import gguf
 
 from quantship.errors import QuantshipError
-
-# The GPT-2 split regex as tokenizers' ByteLevel pre-tokenizer applies it (use_regex) — the tiny model's.
-_GPT2 = {"type": "ByteLevel", "use_regex": True}
-# Other families (deepseek-llm, deepseek-coder, deepseek-v3, llama-bpe) split with explicit regexes;
-# convert_hf_to_gguf.py tells them apart by hashing a tokenized probe text. Not done here yet: such a
-# tokenizer is refused rather than named by a guess.
+from quantship.formats.gguf_pretok import identify
 
 
-def pre_tokenizer_name(tokenizer: dict, source: Path) -> str:
-    pre = tokenizer.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and all(pre.get(k) == v for k, v in _GPT2.items()):
-        return "gpt-2"
-    raise QuantshipError(f"pre-tokenizer {pre.get('type')!r} is not supported yet (only the GPT-2 byte-level "
-                         "split); naming it wrongly would make llama.cpp tokenize differently", source)
-
-
-def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> dict:
+def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, pre_tokenizer: str | None = None) -> dict:
     """Writes the tokenizer keys; returns a short description for the export summary."""
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -44,7 +32,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> 
     model = tokenizer.get("model") or {}
     if model.get("type") != "BPE":
         raise QuantshipError(f"tokenizer model {model.get('type')!r} is not supported (BPE only)", path)
-    pre = pre_tokenizer_name(tokenizer, path)
+    pre = identify(path, pre_tokenizer)
     tokens: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
     for added in tokenizer.get("added_tokens", []):
         kind = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
@@ -54,7 +42,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> 
     # Ids the tokenizer never produces (embedding rows padded to a round size) get placeholder tokens.
     listed = [tokens.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED)) for i in range(vocab_size)]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    writer.add_tokenizer_pre(pre.name)
     writer.add_token_list([t for t, _ in listed])
     writer.add_token_types([int(k) for _, k in listed])
     quiet = logging.getLogger("gguf")
@@ -67,5 +55,5 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> 
     if not special.merges:
         raise QuantshipError("tokenizer.json has no BPE merges", path)
     special.add_to_gguf(writer, quiet=True)
-    return {"pre": pre, "tokens": len(tokens), "merges": len(special.merges),
+    return {"pre": pre.name, "pre_how": pre.how, "tokens": len(tokens), "merges": len(special.merges),
             "chat_template": bool(special.chat_template)}
