@@ -268,7 +268,7 @@ def cmd_export(args) -> int:
 
     request = ExportRequest(source=args.model, output=args.output, type=args.type, method=args.method,
                             calib=args.calib, samples=args.samples, seq_len=args.seq_len, overwrite=args.overwrite,
-                            pre_tokenizer=args.pre_tokenizer)
+                            pre_tokenizer=args.pre_tokenizer, imatrix=args.imatrix)
     print("\n".join(export(args.format, request)))
     return 0
 
@@ -619,11 +619,14 @@ def build_parser() -> argparse.ArgumentParser:
                                   "int4, int8-dynamic, int8-static")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="how full-precision weights are rounded onto the type's grid (default rtn)")
-    p.add_argument("--calib", type=Path, help="calibration text for --method gptq and onnx int8-static "
+    p.add_argument("--calib", type=Path, help="calibration text for --method gptq, --imatrix and onnx int8-static "
                                               "(default: the bundled one)")
     p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples (default 128)")
     p.add_argument("--seq-len", type=integer(2), default=512, help="tokens per calibration sample (default 512)")
     p.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--imatrix", action="store_true",
+                   help="gguf: weigh round-to-nearest by an importance matrix (mean squared activations per input "
+                        "column, from a calibration pass over --calib), as llama-quantize --imatrix does")
     p.add_argument("--pre-tokenizer", metavar="NAME",
                    help="gguf: llama.cpp's pre-tokenizer name (tokenizer.ggml.pre) for a tokenizer quantship cannot "
                         "identify, e.g. deepseek-v3, deepseek-coder, llama-bpe, qwen2 (default: identified)")

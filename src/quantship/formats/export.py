@@ -30,6 +30,7 @@ class ExportRequest:
     seq_len: int = 512
     overwrite: bool = False
     pre_tokenizer: str | None = None
+    imatrix: bool = False
 
 
 def export(fmt: str, request: ExportRequest) -> list[str]:
@@ -44,7 +45,8 @@ def export_gguf_request(request: ExportRequest) -> list[str]:
     from quantship.formats.gguf import GGUFOptions, export_gguf, summary_lines
 
     opts = GGUFOptions(type=request.type, method=request.method, calib=request.calib, samples=request.samples,
-                       seq_len=request.seq_len, overwrite=request.overwrite, pre_tokenizer=request.pre_tokenizer)
+                       seq_len=request.seq_len, overwrite=request.overwrite, pre_tokenizer=request.pre_tokenizer,
+                       imatrix=request.imatrix)
     return summary_lines(export_gguf(request.source, request.output, opts))
 
 
@@ -54,6 +56,9 @@ def export_onnx_request(request: ExportRequest) -> list[str]:
     if request.method != "rtn":
         raise QuantshipError("--method applies to GGUF; ONNX int4/int8 take a checkpoint's integers "
                              "(quantize with --method gptq/awq first) or round full precision with RTN")
+    if request.imatrix:
+        raise QuantshipError("--imatrix weighs llama.cpp's block rounding in a GGUF export; ONNX int4/int8 take a "
+                             "checkpoint's integers (quantize with --method awq/gptq for activation-aware weights)")
     if request.pre_tokenizer is not None:
         raise QuantshipError("--pre-tokenizer names llama.cpp's pre-tokenizer in a GGUF file; ONNX exports carry "
                              "tokenizer.json itself")

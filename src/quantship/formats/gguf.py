@@ -50,6 +50,7 @@ class GGUFOptions:
     dampening: float = 0.01
     overwrite: bool = False
     pre_tokenizer: str | None = None  # llama.cpp's name, when it cannot be identified (gguf_pretok.py)
+    imatrix: bool = False  # weigh RTN's rounding by an importance matrix from the calibration text
 
 
 @dataclass
@@ -71,6 +72,8 @@ class ExportResult:
     seconds: float = 0.0
     bytes: int = 0
     method: str = "rtn"
+    imatrix_tokens: int = 0  # calibration tokens behind the importance matrix (0: none used)
+    imatrix_tensors: int = 0  # tensors whose rounding it weighed
 
 
 def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions) -> ExportResult:
@@ -80,6 +83,8 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
     _check_output(output, opts.overwrite)
     if opts.method not in METHODS:
         raise QuantshipError(f"unknown method {opts.method!r} for GGUF; choose one of {', '.join(METHODS)}")
+    if opts.imatrix and opts.method == "gptq":
+        raise QuantshipError("--imatrix weighs round-to-nearest; GPTQ already uses the full input Hessian")
     if opts.method == "gptq" and ck.quantized is not None:
         raise QuantshipError("--method gptq quantizes a full-precision model; this one is already quantized", ck.path)
     linears = _linears(ck)
@@ -88,12 +93,22 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
         raise QuantshipError(f"unknown GGUF type {opts.type!r}; choose one of {', '.join(FILE_TYPES)}")
     specs = tensor_specs(ck.config, model_params(ck.config))
     plan = _plan(ck, specs, linears, file_type)
+    imatrix = None
+    if opts.imatrix:
+        from quantship.formats.gguf_imatrix import collect_imatrix
+
+        imatrix = collect_imatrix(ck, opts.calib, opts.samples, opts.seq_len)
 
     tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
     writer = gguf.GGUFWriter(tmp, gguf_arch(ck.config))
     try:
         add_metadata(writer, ck.config, ck.path.name, file_type)
         tokenizer = add_tokenizer(writer, ck.path, ck.config.vocab_size, opts.pre_tokenizer)
+        if imatrix is not None:  # the keys llama-quantize writes for an imatrix
+            writer.add_string("quantize.imatrix.file", f"quantship calibration pass on {imatrix.dataset}")
+            writer.add_string("quantize.imatrix.dataset", imatrix.dataset)
+            writer.add_int32("quantize.imatrix.entries_count", len(imatrix.columns))
+            writer.add_int32("quantize.imatrix.chunks_count", imatrix.chunks)
         for p in plan:
             writer.add_tensor_info(p.spec.name, p.spec.shape, np.dtype(np.float32), _nbytes(p), raw_dtype=p.qtype)
         writer.write_header_to_file()
@@ -104,8 +119,8 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
 
             produced = gptq_tensors(ck, plan, opts)
         else:
-            produced = _rtn_tensors(ck, plan)
-        errors = {}
+            produced = _rtn_tensors(ck, plan, imatrix)
+        errors: dict[str, float] = {}
         for p, data, reference in produced:
             writer.write_tensor_data(data)
             if p.spec.is_matrix:
@@ -117,7 +132,9 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
         tmp.unlink(missing_ok=True)
         raise
     return ExportResult(output, file_type, gguf_arch(ck.config), plan, errors, tokenizer,
-                        round(time.time() - started, 2), output.stat().st_size, opts.method)
+                        round(time.time() - started, 2), output.stat().st_size, opts.method,
+                        imatrix.tokens if imatrix is not None else 0,
+                        sum(p.qtype in blocks.IMATRIX_TYPES and importance(p, imatrix) is not None for p in plan))
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
@@ -296,9 +313,9 @@ def reference(p: Planned, tensors: dict, config) -> torch.Tensor:
     return torch.stack(parts) if p.spec.transform == "stack" else parts[0]
 
 
-def encode(p: Planned, tensors: dict, config, ref: torch.Tensor) -> np.ndarray:
+def encode(p: Planned, tensors: dict, config, ref: torch.Tensor, imatrix=None) -> np.ndarray:
     if p.how != "packed":
-        return blocks.quantize(ref, p.qtype)
+        return blocks.quantize(ref, p.qtype, importance(p, imatrix))
     packed = [_pack(p, tensors[s], config) for s in p.spec.sources]
     return np.stack(packed) if p.spec.transform == "stack" else packed[0]
 
@@ -317,11 +334,18 @@ def _pack(p: Planned, stored: StoredQuant, config) -> np.ndarray:
     return data.reshape(*p.spec.shape[:-1], -1) if p.spec.transform != "stack" else data
 
 
-def _rtn_tensors(ck: Checkpoint, plan: list[Planned]):
+def importance(p: Planned, imatrix) -> torch.Tensor | None:
+    """The imatrix rows for a tensor quantized here, in its column order; None where there is none."""
+    if imatrix is None or p.how != "quantized" or p.spec.transform == "k_b":
+        return None  # attn_k_b's columns are per-head query dims, which no Linear of ours reads
+    return imatrix.for_sources(p.spec.sources)
+
+
+def _rtn_tensors(ck: Checkpoint, plan: list[Planned], imatrix=None):
     for layer, tensors in source_layers(ck):
         for p in _group(plan, layer):
             ref = reference(p, tensors, ck.config)
-            yield p, encode(p, tensors, ck.config, ref), ref
+            yield p, encode(p, tensors, ck.config, ref, imatrix), ref
 
 
 def _relative_error(data: np.ndarray, qtype: T, ref: torch.Tensor) -> float:
@@ -352,6 +376,8 @@ def summary_lines(result: ExportResult) -> list[str]:
     if requantized:
         errs = [result.errors[p.spec.name] for p in requantized if p.spec.name in result.errors]
         how = "GPTQ" if result.method == "gptq" else "round-to-nearest"
+        if result.imatrix_tokens:
+            how += f", {result.imatrix_tensors} weighted by an imatrix of {result.imatrix_tokens} calibration tokens"
         lines.append(f"quantized here ({how}): {len(requantized)} tensors, relative weight error "
                      f"median {np.median(errs):.4f}, max {max(errs):.4f}")
     kept = [p for p in result.tensors if p.how == "kept"]

@@ -93,8 +93,15 @@ def pack_float(w: torch.Tensor, qtype: T) -> np.ndarray:
     return w.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
 
 
-def quantize(w: torch.Tensor, qtype: T) -> np.ndarray:
-    """Round-to-nearest from floats into any supported type."""
+IMATRIX_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)  # Q8_0 ignores it, as in llama.cpp
+
+
+def quantize(w: torch.Tensor, qtype: T, importance: torch.Tensor | None = None) -> np.ndarray:
+    """Round-to-nearest from floats into any supported type; with `importance` (mean squared activation
+    per column, [n] or [..., n] matching w's leading dims but the rows), each block's scale and min are
+    fitted to the importance-weighted error, as llama.cpp's quantizers do with an imatrix."""
+    if importance is not None and qtype in IMATRIX_TYPES:
+        return quantize_weighted(w.float(), qtype, importance.float())
     if qtype in FLOAT_TYPES:
         return pack_float(w, qtype)
     if qtype in K_TYPES:
@@ -108,6 +115,42 @@ def dequantize(data: np.ndarray, qtype: T) -> torch.Tensor:
         raw = np.ascontiguousarray(data).view(np.int16)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
     return torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32))
+
+
+def element_weights(w: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """ggml's weight of each value's error under an imatrix: importance[col] * sqrt(sigma² + w²), sigma² the
+    row's mean square. w [..., R, n]; importance [n] or [..., n] (one row of importance per leading index)."""
+    imp = importance if importance.dim() == 1 else importance.unsqueeze(-2)
+    sigma2 = (w * w).mean(-1, keepdim=True)
+    return imp * torch.sqrt(sigma2 + w * w)
+
+
+def quantize_weighted(w: torch.Tensor, qtype: T, importance: torch.Tensor) -> np.ndarray:
+    n = w.shape[-1]
+    weight = element_weights(w, importance).reshape(-1, n)
+    x = w.reshape(-1, n)
+    rows = x.shape[0]
+    if qtype in K_TYPES:
+        blocks, wb = x.reshape(-1, QK_K), weight.reshape(-1, QK_K)
+        params = k_quant_params(blocks, qtype, wb)
+        return pack_k(k_quant_codes(blocks, params, qtype), params, qtype).reshape(*w.shape[:-1], -1)
+    xb, wb = x.reshape(-1, 32), weight.reshape(-1, 32)
+    if qtype in (T.Q4_0, T.Q5_0):
+        half = 8 if qtype == T.Q4_0 else 16
+        d = _fit_symmetric(xb, wb, half).to(torch.float16).float()
+        safe = torch.where(d == 0, torch.ones_like(d), d)
+        codes = torch.where(d[:, None] == 0, torch.zeros_like(xb), torch.round(xb / safe[:, None])).clamp(-half, half - 1)
+        codes, d = codes.reshape(rows, n), d.reshape(rows, n // 32)
+        data = pack_q4_0(codes.to(torch.int8), d) if qtype == T.Q4_0 else pack_q5(codes + 16, d)
+    else:
+        top = 15 if qtype == T.Q4_1 else 31
+        scale, minimum = _fit_affine(xb, wb, top)
+        d, m = scale.to(torch.float16).float(), (-minimum).to(torch.float16).float()
+        safe = torch.where(d == 0, torch.ones_like(d), d)
+        codes = torch.round((xb - m[:, None]) / safe[:, None]).clamp(0, top)
+        codes, d, m = codes.reshape(rows, n), d.reshape(rows, n // 32), m.reshape(rows, n // 32)
+        data = pack_q4_1_codes(codes, d, m) if qtype == T.Q4_1 else pack_q5(codes, d, m)
+    return data.reshape(*w.shape[:-1], -1)
 
 
 # --- K-quants: parameters chosen by a weighted search, then packed ------------------------------
@@ -160,13 +203,15 @@ def _superblock(values: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.
     return d, codes.clamp(0, levels)
 
 
-def k_quant_params(x: torch.Tensor, qtype: T) -> dict[str, torch.Tensor]:
-    """Rounding grid of a K-quant for rows x [..., n]: what GPTQ needs to round onto it."""
+def k_quant_params(x: torch.Tensor, qtype: T, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Rounding grid of a K-quant for rows x [..., n]: what GPTQ needs to round onto it. `weight` (same
+    shape, from element_weights) replaces ggml's default error weights when there is an imatrix."""
     blocks = x.reshape(-1, QK_K)
     n = blocks.shape[0]
     if qtype == T.Q6_K:
         sub = blocks.reshape(n, 16, 16)
-        weight = sub * sub  # ggml weights Q6_K's fit by x² without an importance matrix
+        # ggml weights Q6_K's fit by x² without an importance matrix
+        weight = sub * sub if weight is None else weight.reshape(n, 16, 16)
         scale = _fit_symmetric(sub.reshape(-1, 16), weight.reshape(-1, 16), 32).reshape(n, 16)
         # Scales are int8 relative to d; the largest magnitude maps to -128 like ggml does.
         big = scale.abs().amax(-1)
@@ -177,8 +222,9 @@ def k_quant_params(x: torch.Tensor, qtype: T) -> dict[str, torch.Tensor]:
         return {"d": d, "sc": sc}
     nmax = 15 if qtype == T.Q4_K else 31
     sub = blocks.reshape(n * 8, 32)
-    rms = (sub * sub).mean(-1, keepdim=True).sqrt()
-    scale, minimum = _fit_affine(sub, rms + sub.abs(), nmax)  # ggml's weights: rms + |x|
+    if weight is None:
+        weight = (sub * sub).mean(-1, keepdim=True).sqrt() + sub.abs()  # ggml's weights: rms + |x|
+    scale, minimum = _fit_affine(sub, weight.reshape(n * 8, 32), nmax)
     d, sc = _superblock(scale.reshape(n, 8), 63)
     dmin, mn = _superblock(minimum.reshape(n, 8), 63)
     return {"d": d, "sc": sc, "dmin": dmin, "mn": mn}

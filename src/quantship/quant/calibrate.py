@@ -68,6 +68,7 @@ def calibration_tokens(path: Path, tokenizer, samples: int, seq_len: int) -> tup
 class InputStats:
     tokens: int = 0
     hessian: torch.Tensor | None = None
+    sum_sq: torch.Tensor | None = None  # per input column: sum of x² (llama.cpp's importance matrix, unnormalized)
     keep: int = 0  # input rows to keep as a sample (AWQ's clipping search), spread over all calls
     stride: int = 1
     sample: list[torch.Tensor] = field(default_factory=list)
@@ -78,6 +79,8 @@ class InputStats:
         if self.keep > kept:
             self.sample.append(x[:: self.stride][: self.keep - kept])
         self.tokens += x.shape[0]
+        sq = (x * x).sum(0)
+        self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
         if want_hessian and x.shape[0]:
             h = x.T @ x
             self.hessian = h if self.hessian is None else self.hessian + h
