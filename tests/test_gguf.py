@@ -386,12 +386,58 @@ def test_gptq_export_of_a_llama(plain_llama_dir, tmp_path):
     result = export_gguf(plain_llama_dir, tmp_path / "g.gguf", GGUFOptions(type="Q4_K_M", method="gptq", **FAST))
     assert result.method == "gptq" and "quantized here (GPTQ)" in "\n".join(summary_lines(result))
     rtn = export_gguf(plain_llama_dir, tmp_path / "r.gguf", GGUFOptions(type="Q4_K_M"))
-    assert [p.qtype for p in result.tensors] == [p.qtype for p in rtn.tensors]  # same mix, other rounding
+    types = {p.spec.name: p.qtype for p in result.tensors}
+    assert types == {p.spec.name: p.qtype for p in rtn.tensors}  # same mix, other rounding
     ours = GGUFCheckpoint(result.path).load_model()
     assert all(torch.isfinite(p).all() for p in ours.parameters())
+    # every Linear and the output matrix (written last) get GPTQ; the embedding lookup has no Hessian
+    assert result.gptq == sorted(p.spec.name for p in result.tensors if p.how == "quantized"
+                                 and p.spec.name != "token_embd.weight")
+    assert result.tensors[-1].spec.name == "output.weight" and "output.weight" in result.gptq
+    assert "round-to-nearest: token_embd.weight" in "\n".join(summary_lines(result))
     with pytest.raises(QuantshipError, match="already quantized"):
         quantize(plain_llama_dir, tmp_path / "q", QuantizeOptions(group_size=32, **FAST), progress=False)
         export_gguf(tmp_path / "q", tmp_path / "x.gguf", GGUFOptions(method="gptq"))
+
+
+@pytest.fixture(scope="module")
+def mla_32(tmp_path_factory):
+    """A small DeepSeek-V3 (MLA + MoE) whose no-rope head dim is 32, so attn_k_b's rows fit Q4_0 blocks,
+    with a DeepSeek-V3-style tokenizer."""
+    from reference_models import CONFIGS
+    from tokenizer_families import write_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("mla32")
+    spec = dict(CONFIGS["deepseek_v3"], qk_nope_head_dim=32)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(d)
+    return write_tokenizer("deepseek-v3", d, vocab_size=500)
+
+
+def test_query_hessians_are_each_heads_no_rope_query():
+    from quantship.formats.gguf_gptq import _QueryHessians
+
+    from quantship.models.bundled import TINY_DIR
+
+    attn = Checkpoint(TINY_DIR).layer(1, dtype=torch.float32).self_attn
+    x = torch.randn(2, 16, attn.q_a_proj.in_features)
+    hook = _QueryHessians(attn)
+    with torch.no_grad():
+        q = attn.queries(x)
+    hook.handle.remove()
+    q_nope = q.reshape(-1, attn.heads, q.shape[-1] // attn.heads)[..., :attn.nope]
+    for h in range(attn.heads):
+        torch.testing.assert_close(hook.sum[h], q_nope[:, h].T @ q_nope[:, h])
+
+
+def test_gptq_rounds_attn_k_b_per_head_and_the_output_matrix(mla_32, tmp_path):
+    result = export_gguf(mla_32, tmp_path / "g.gguf", GGUFOptions(type="Q4_0", method="gptq", **FAST))
+    k_b = [p.spec.name for p in result.tensors if "attn_k_b" in p.spec.name]
+    assert k_b and set(k_b) <= set(result.gptq) and "output.weight" in result.gptq
+    assert "attn_k_b per head on its query: 3" in "\n".join(summary_lines(result))
+    assert quick_fidelity(mla_32, result.path, max_tokens=256)["kl_mean"] < 0.5
 
 
 # --- importance matrix (--imatrix) ---------------------------------------------------------------

@@ -74,6 +74,7 @@ class ExportResult:
     method: str = "rtn"
     imatrix_tokens: int = 0  # calibration tokens behind the importance matrix (0: none used)
     imatrix_tensors: int = 0  # tensors whose rounding it weighed
+    gptq: list[str] = field(default_factory=list)  # GGUF names of the tensors GPTQ rounded (method "gptq")
 
 
 def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions) -> ExportResult:
@@ -93,6 +94,10 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
         raise QuantshipError(f"unknown GGUF type {opts.type!r}; choose one of {', '.join(FILE_TYPES)}")
     specs = tensor_specs(ck.config, model_params(ck.config))
     plan = _plan(ck, specs, linears, file_type)
+    if opts.method == "gptq":
+        from quantship.formats.gguf_gptq import output_last
+
+        plan = output_last(plan, ck.config)  # its Hessian is known only once every layer has run
     imatrix = None
     if opts.imatrix:
         from quantship.formats.gguf_imatrix import collect_imatrix
@@ -100,6 +105,7 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
         imatrix = collect_imatrix(ck, opts.calib, opts.samples, opts.seq_len)
 
     tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
+    gptq_names: set[str] = set()
     writer = gguf.GGUFWriter(tmp, gguf_arch(ck.config))
     try:
         add_metadata(writer, ck.config, ck.path.name, file_type)
@@ -117,7 +123,7 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
         if opts.method == "gptq":
             from quantship.formats.gguf_gptq import gptq_tensors
 
-            produced = gptq_tensors(ck, plan, opts)
+            produced = gptq_tensors(ck, plan, opts, gptq_names)
         else:
             produced = _rtn_tensors(ck, plan, imatrix)
         errors: dict[str, float] = {}
@@ -134,7 +140,8 @@ def export_gguf(source: str | Path | None, output: str | Path, opts: GGUFOptions
     return ExportResult(output, file_type, gguf_arch(ck.config), plan, errors, tokenizer,
                         round(time.time() - started, 2), output.stat().st_size, opts.method,
                         imatrix.tokens if imatrix is not None else 0,
-                        sum(p.qtype in blocks.IMATRIX_TYPES and importance(p, imatrix) is not None for p in plan))
+                        sum(p.qtype in blocks.IMATRIX_TYPES and importance(p, imatrix) is not None for p in plan),
+                        sorted(gptq_names))
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
@@ -380,6 +387,12 @@ def summary_lines(result: ExportResult) -> list[str]:
             how += f", {result.imatrix_tensors} weighted by an imatrix of {result.imatrix_tokens} calibration tokens"
         lines.append(f"quantized here ({how}): {len(requantized)} tensors, relative weight error "
                      f"median {np.median(errs):.4f}, max {max(errs):.4f}")
+        if result.method == "gptq":
+            rtn = sorted(p.spec.name for p in requantized if p.spec.name not in result.gptq)
+            lines.append(f"GPTQ: {len(result.gptq)} tensors (attn_k_b per head on its query: "
+                         f"{sum('attn_k_b' in n for n in result.gptq)}; output matrix: "
+                         f"{'yes' if any(n in ('output.weight', 'token_embd.weight') for n in result.gptq) else 'no'}); "
+                         f"round-to-nearest: {', '.join(rtn) if rtn else 'none'}")
     kept = [p for p in result.tensors if p.how == "kept"]
     if kept:
         lines.append(f"kept as the checkpoint stores them ({kept[0].qtype.name}): "

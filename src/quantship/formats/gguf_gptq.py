@@ -8,8 +8,13 @@ The grids, fitted per block from the error-updated weights:
 - Q4_0/Q5_0: d = (the signed largest value) / -8 (-16), like llama.cpp; Q4_1/Q5_1: d = (max - min) / 15
   (31), m = min; Q8_0: d = max|x| / 127; all with d (and m) rounded to f16 before rounding the values;
 - Q4_K / Q5_K / Q6_K: the super-block's sub-block scales and mins from gguf_blocks.k_quant_params.
-Tensors off these grids (an F16 fallback, attn_k_b whose inputs are per-head queries,
-embeddings and the output matrix) are rounded to nearest as without --method gptq.
+Which tensors get GPTQ: every Linear of the decoder layers (routed experts stacked, each with its own
+Hessian); attn_k_b too, as llama.cpp uses it: its rows are multiplied by each head's no-rope query, so
+each head's slice gets the Hessian of that head's q_nope (collected at the query projection's output);
+and the output matrix, with the Hessian of the final normed hidden states, written last in the file
+so that the whole model has run by then. Rounded to nearest as without --method gptq: token_embd
+(a lookup: no inputs, so no Hessian; unless tied to the output, then it is the output matrix), and
+any tensor whose type is off these grids (F16/BF16/F32 fallbacks).
 """
 
 from __future__ import annotations
@@ -97,39 +102,82 @@ def _hessian(stats, name: str) -> torch.Tensor | None:
     return chosen.hessian
 
 
-def gptq_tensors(ck, plan, opts):
-    """Yields (planned tensor, GGUF bytes, float reference) in file order, like gguf._rtn_tensors."""
+def output_matrix(config) -> str:
+    """The GGUF name of the matrix that makes the logits (the embeddings when they are tied)."""
+    return "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+
+
+def output_last(plan: list, config) -> list:
+    """The plan with the output matrix moved to the end of the file (llama.cpp finds tensors by name)."""
+    head = output_matrix(config)
+    return [p for p in plan if p.spec.name != head] + [p for p in plan if p.spec.name == head]
+
+
+class _QueryHessians:
+    """Per-head Hessians [H, nope, nope] of the no-rope query, from the query projection's output."""
+
+    def __init__(self, attn):
+        self.heads, self.nope = attn.heads, attn.nope
+        self.sum = torch.zeros(self.heads, self.nope, self.nope)
+        module = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
+        self.handle = module.register_forward_hook(lambda _m, _inp, out: self.add(out))
+
+    def add(self, q: torch.Tensor) -> None:
+        q_nope = q.float().reshape(-1, self.heads, q.shape[-1] // self.heads)[..., : self.nope]
+        self.sum += torch.einsum("thi,thj->hij", q_nope, q_nope)
+
+
+def _gptq_or_rtn(p, ref, hessians, tensors, config, opts, encode, done: set):
+    if p.how == "quantized" and p.qtype in GPTQ_TYPES and hessians and all(h is not None for h in hessians):
+        done.add(p.spec.name)
+        stacked = ref.reshape(len(hessians), -1, ref.shape[-1])  # experts or heads, each with its Hessian
+        data = gptq_tensor(stacked, torch.stack(hessians), p.qtype, opts.dampening)
+        return data.reshape(*p.spec.shape[:-1], -1)
+    return encode(p, tensors, config, ref)
+
+
+def gptq_tensors(ck, plan, opts, done: set | None = None):
+    """Yields (planned tensor, GGUF bytes, float reference) in file order, like gguf._rtn_tensors; the
+    plan must have the output matrix last (output_last). Adds the names of the tensors GPTQ rounded to `done`."""
+    done = set() if done is None else done
     from quantship.formats.gguf import encode, reference, source_layers
+    from quantship.models.layers import RMSNorm
 
     calib = Path(opts.calib) if opts.calib else TINY_DIR / "calib.txt"
     tokens, _ = calibration_tokens(calib, load_tokenizer(ck.path), opts.samples, opts.seq_len)
     positions = torch.arange(tokens.shape[1])
-    hidden = None
+    hidden, final_norm = None, None
+    head = output_matrix(ck.config)
     layers = source_layers(ck)
     for index, tensors in layers:
-        group = [p for p in plan if p.spec.layer == index]
+        group = [p for p in plan if p.spec.layer == index and p.spec.name != head]
         if index is None:
             hidden = torch.nn.functional.embedding(tokens, tensors["model.embed_tokens.weight"].float())
+            final_norm = tensors["model.norm.weight"].float()
             for p in group:
                 ref = reference(p, tensors, ck.config)
                 yield p, encode(p, tensors, ck.config, ref), ref
             continue
         layer = ck.layer(index, dtype=torch.float32)
-        stats = collect_stats(layer, hidden, positions, want_hessian=True)
+        queries = _QueryHessians(layer.self_attn) if ck.config.is_mla else None
+        try:
+            # (a MoE layer's every-token pass runs the attention again: the query sums double, which
+            # GPTQ does not see, as its dampening is relative to the Hessian's own diagonal)
+            stats = collect_stats(layer, hidden, positions, want_hessian=True)
+        finally:
+            if queries is not None:
+                queries.handle.remove()
         rounded = {}
         for p in group:
             ref = reference(p, tensors, ck.config)
             prefix = f"model.layers.{index}."
-            names = [s[len(prefix):-len(".weight")] for s in p.spec.sources]
-            hessians = [_hessian(stats, n) for n in names] if p.how == "quantized" else []
-            usable = (p.qtype in GPTQ_TYPES and p.spec.transform != "k_b" and hessians
-                      and all(h is not None for h in hessians))
-            if usable:
-                stacked = ref if p.spec.transform == "stack" else ref.reshape(1, -1, ref.shape[-1])
-                data = gptq_tensor(stacked, torch.stack(hessians), p.qtype, opts.dampening)
-                data = data.reshape(*p.spec.shape[:-1], -1)
+            if p.how != "quantized":
+                hessians = []
+            elif p.spec.transform == "k_b":
+                hessians = list(queries.sum.unbind(0))  # one per head: the rows of its [rank, nope] slice
             else:
-                data = encode(p, tensors, ck.config, ref)
+                hessians = [_hessian(stats, s[len(prefix):-len(".weight")]) for s in p.spec.sources]
+            data = _gptq_or_rtn(p, ref, hessians, tensors, ck.config, opts, encode, done)
             rounded[p.spec.name] = blocks.dequantize(data, p.qtype).reshape(p.spec.shape)
             yield p, data, ref
         # The next layer sees this one as the file will compute it.
@@ -140,3 +188,12 @@ def gptq_tensors(ck, plan, opts):
             raise QuantshipError(f"internal: GGUF tensors without a module: {unexpected[:3]}")
         with torch.no_grad():
             hidden = torch.cat([layer(hidden[s:s + 8], positions) for s in range(0, hidden.shape[0], 8)])
+    # The output matrix, on the final hidden states as the quantized layers made them.
+    norm = RMSNorm(ck.config.hidden_size, ck.config.rms_norm_eps)
+    norm.weight.data = final_norm
+    with torch.no_grad():
+        x = norm(hidden.reshape(-1, hidden.shape[-1]))
+    for p in [p for p in plan if p.spec.name == head]:
+        tensors = ck.read(list(p.spec.sources))
+        ref = reference(p, tensors, ck.config)
+        yield p, _gptq_or_rtn(p, ref, [x.T @ x], tensors, ck.config, opts, encode, done), ref
