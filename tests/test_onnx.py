@@ -367,3 +367,47 @@ def test_verify_takes_an_onnx_export_as_quant(llama_dir, llama_fp32):
     assert report["headline"]["kl_mean"] < 1e-6 and report["headline"]["top1_agreement"] == 1.0
     assert "sensitivity" not in report  # per-layer swaps need our modules; the graph runs whole
     assert all(g["tokens_to_divergence"] is None for g in report["generations"])
+
+
+# --- deploy: an ONNX Runtime server pod (Triton's onnxruntime backend) ----------------------------
+
+def test_deploy_writes_a_triton_pod_for_an_onnx_export(llama_fp32, tmp_path, capsys):
+    import yaml
+
+    from quantship.deploy.checksums import verify
+    from quantship.deploy.generate import DeployOptions, generate
+    from quantship.deploy.validate import validate_dir
+
+    result = generate(llama_fp32, tmp_path / "k8s", DeployOptions(replicas="2:4"))
+    assert result["checkpoint"]["format"] == "onnx/fp32" and result["plan"]["engine"] == "triton-onnxruntime"
+    assert validate_dir(tmp_path / "k8s").problems == []
+    assert verify(llama_fp32, tmp_path / "k8s").ok  # SHA256SUMS of the export, format and writer version
+    deployment = yaml.safe_load((tmp_path / "k8s/base/deployment.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 2 and pod["containers"][0]["command"] == ["tritonserver"]
+    assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert not (tmp_path / "k8s/canary").exists() and not (tmp_path / "k8s/base/hpa.yaml").exists()
+    pbtxt = yaml.safe_load((tmp_path / "k8s/base/configmap.yaml").read_text())["data"]["config.pbtxt"]
+    graph = onnx.load(str(llama_fp32 / "model.onnx"), load_external_data=False).graph
+    for value in [*graph.input, *graph.output]:
+        assert f'name: "{value.name}"' in pbtxt
+    assert 'backend: "onnxruntime"' in pbtxt and "max_batch_size: 0" in pbtxt and "KIND_CPU" in pbtxt
+    assert 'name: "past_key_values.0.key" data_type: TYPE_FP32 dims: [ -1, 2, -1, 64 ]' in pbtxt
+    gpu = generate(llama_fp32, tmp_path / "gpu", DeployOptions(gpus=1))
+    assert gpu["plan"]["gpus"] == 1 and validate_dir(tmp_path / "gpu").problems == []
+    assert "KIND_GPU" in (tmp_path / "gpu/base/configmap.yaml").read_text()
+    # what cannot be done is refused in one line, nothing written
+    for args, words in [(["--canary"], "--canary is not available for an ONNX export"),
+                        (["--engine", "vllm"], "--engine does not apply to an ONNX export"),
+                        (["--gpus", "2"], "is 0 or 1")]:
+        code = main(["deploy", str(llama_fp32), "-o", str(tmp_path / "x"), *args])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()
+    tampered = tmp_path / "tampered"
+    import shutil
+
+    shutil.copytree(llama_fp32, tampered)
+    (tampered / "tokenizer.json").write_text("{}")
+    code = main(["deploy", str(tampered), "-o", str(tmp_path / "y")])
+    assert code == 2 and "tokenizer.json does not match the export's SHA256SUMS" in capsys.readouterr().err

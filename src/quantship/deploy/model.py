@@ -52,7 +52,15 @@ def format_name(quant_method: str | None, quant_format: str | None) -> str:
 
 def checkpoint_identity(path: Path) -> tuple[str, str | None]:
     """(format, writer version) from config.json and the recipe alone: no weight is opened, so a
-    corrupted shard still gets a verdict instead of a load error."""
+    corrupted shard still gets a verdict instead of a load error. An ONNX export is 'onnx/<type>'."""
+    onnx_info = path / "quantship_onnx.json"
+    if onnx_info.is_file() and (path / "model.onnx").is_file():
+        try:
+            info = json.loads(onnx_info.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise QuantshipError(f"malformed ONNX export description ({exc})", onnx_info) from None
+        writer = str(info.get("writer", ""))
+        return f"onnx/{info.get('type', 'fp32')}", writer.split(" ", 1)[1] if writer.startswith("quantship ") else None
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:

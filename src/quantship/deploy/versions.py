@@ -19,7 +19,9 @@ COMPATIBILITY = (
 # Formats our model loader reads, whoever wrote them.
 READABLE_FORMATS = ("safetensors", "compressed-tensors/pack-quantized", "compressed-tensors/int-quantized",
                     "compressed-tensors/float-quantized", "compressed-tensors/naive-quantized",
-                    "compressed-tensors/mixed-precision")
+                    "compressed-tensors/mixed-precision",
+                    # our ONNX exports: verify and the ONNX Runtime runner read them (Triton serves them)
+                    "onnx/fp32", "onnx/fp16", "onnx/int4", "onnx/int8-dynamic", "onnx/int8-static")
 
 _SEMVER = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(?:-([0-9A-Za-z.-]+))?(?:\+[0-9A-Za-z.-]+)?$")
 _COMPARATOR = re.compile(r"^(>=|<=|>|<|==|=)?(.+)$")
