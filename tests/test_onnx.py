@@ -369,6 +369,41 @@ def test_verify_takes_an_onnx_export_as_quant(llama_dir, llama_fp32):
     assert all(g["tokens_to_divergence"] is None for g in report["generations"])
 
 
+# --- the R1-Distill-Qwen architectures -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen_fp32_and_int4_match_our_model(reference_dirs, tmp_path, name):
+    """Qwen2 (q/k/v biases, untied head) and Qwen3 (per-head q/k norms, head_dim apart from hidden/heads,
+    tied embeddings): ONNX Runtime's logits equal our model's, its cache gives our greedy tokens, and
+    int4 from a W4A16 checkpoint stays near the checkpoint's own dequantized model."""
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    source = reference_dirs[name][0]
+    out = tmp_path / "fp32"
+    result = export_onnx(source, out, OnnxOptions(type="fp32"))
+    assert result.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[name]
+    assert json.loads((out / "genai_config.json").read_text())["model"]["type"] == name
+    ours, onnx_model = load_model(source), OnnxModel(out)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ours(ids).numpy()
+    np.testing.assert_allclose(onnx_model.logits(ids.numpy()), expected, atol=1e-4, rtol=0)
+    prompt = ids[0, :8].tolist()
+    assert onnx_model.greedy(prompt, 32) == list(generate_tokens(ours, prompt, 32))
+    import shutil
+
+    from tokenizer_families import write_tokenizer
+
+    shutil.copytree(source, tmp_path / "src")  # quantize wants a tokenizer; the reference models have none
+    write_tokenizer("qwen2", tmp_path / "src", vocab_size=500)
+    quantize(tmp_path / "src", tmp_path / "w4", QuantizeOptions(scheme="W4A16", method="rtn", group_size=32, seq_len=64),
+             progress=False)
+    export_onnx(tmp_path / "w4", tmp_path / "int4", OnnxOptions(type="int4"))
+    with torch.no_grad():
+        dequantized = load_model(tmp_path / "w4")(ids).numpy()
+    assert kl_mean(dequantized, OnnxModel(tmp_path / "int4").logits(ids.numpy())) < 1e-4
+
+
 # --- deploy: an ONNX Runtime server pod (Triton's onnxruntime backend) ----------------------------
 
 def test_deploy_writes_a_triton_pod_for_an_onnx_export(llama_fp32, tmp_path, capsys):
