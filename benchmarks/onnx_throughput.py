@@ -175,7 +175,9 @@ def main() -> None:
                    "against transformers fp32 at the same batch in the same run. MiB is the whole export directory "
                    "(graph, weights, tokenizer). Shared 2-core host, load average "
                    f"{load_before:.1f} at the start and {load_after:.1f} at the end: compare within a batch size, "
-                   "not across runs." + notes + "\n\n"
+                   "not across runs. transformers reads the W4A16 checkpoint through its compressed-tensors "
+                   "integration; quantship's engine runs its packed Linears with the plain-torch CPU path (the "
+                   "Triton kernels are GPU-only)." + notes + "\n\n"
                    + table(["type", "runtime", "batch", "decode tok/s", "vs transformers fp32", "export MiB"], rows))
 
 
