@@ -12,10 +12,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step; long prompts are prefilled in chunks of it
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_waiting: int = 256  # bounded queue: beyond it, requests are refused (HTTP 429)
-    num_blocks: int | None = None  # default: enough for max_num_seqs full contexts, capped by kv_cache_bytes
-    # Default: 2 GiB on CPU; on a GPU, 85% of the memory free after loading the weights (the rest is
-    # for activations and CUDA graph pools), as vLLM's gpu_memory_utilization does.
+    num_blocks: int | None = None  # default: enough for max_num_seqs full contexts, capped by the cache budget
+    # The cache budget (engine/memory.py): kv_cache_bytes when given; else kv_cache_fraction of the
+    # memory left after the weights, that memory being memory_bytes - weights when memory_bytes is
+    # given (an explicit device budget) or, on a GPU, what CUDA reports free after loading; else
+    # (CPU) 2 GiB. The rest of free memory is for activations, CUDA graph pools and allocator slack.
     kv_cache_bytes: int | None = None
+    memory_bytes: int | None = None
+    kv_cache_fraction: float = 0.85
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the model allows (GPU only)
     # Count the tokens routed to each expert of each MoE layer (exported as a metric). Decode steps then
@@ -26,3 +30,5 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")

@@ -70,6 +70,22 @@ class DecodeGraphs:
         self.pool = graph.pool()
         return graph, staged, logits
 
+    def capture(self, max_seqs: int | None = None, max_key_len: int | None = None) -> int:
+        """Capture ahead of traffic every batch bucket up to max_seqs (default all) at every key bucket up
+        to max_key_len (default the first); returns how many graphs that added."""
+        def upto(limits: list[int], limit: int | None) -> list[int]:
+            return limits if limit is None else limits[:next((i for i, b in enumerate(limits) if b >= limit),
+                                                             len(limits) - 1) + 1]
+
+        added = 0
+        with torch.inference_mode():
+            for key_len in upto(self.key_buckets, max_key_len or self.key_buckets[0]):
+                for size in upto(self.seq_buckets, max_seqs):
+                    if (size, key_len) not in self.graphs:
+                        self.graphs[(size, key_len)] = self._capture(size, key_len)
+                        added += 1
+        return added
+
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Logits [S, V] of a decode-only step."""

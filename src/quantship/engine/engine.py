@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from quantship.engine.block_manager import BlockManager
+from quantship.engine import memory
 from quantship.engine.config import EngineConfig
 from quantship.engine.model_runner import ModelRunner
 from quantship.models.paged import kv_bytes_per_token
+from quantship.models.quantized import weight_bytes
 from quantship.engine.sampler import sample
 from quantship.engine.sampling import SamplingParams
 from quantship.engine.scheduler import QueueFull, Scheduler
@@ -77,12 +79,12 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step (aborts, timeouts)
 
     def _default_blocks(self, config: EngineConfig, per_token: int) -> int:
-        wanted = config.max_num_seqs * self.max_model_len
+        device = self.model.model.embed_tokens.weight.device
         budget = config.kv_cache_bytes
         if budget is None:
-            device = self.model.model.embed_tokens.weight.device
-            budget = int(torch.cuda.mem_get_info(device)[0] * 0.85) if device.type == "cuda" else 2 << 30
-        return max(1, -(-min(wanted, budget // per_token) // config.block_size))
+            free = memory.free_after_weights(config.memory_bytes, weight_bytes(self.model), device)
+            budget = memory.CPU_KV_CACHE_BYTES if free is None else memory.kv_cache_budget(free, config.kv_cache_fraction)
+        return memory.cache_blocks(budget, per_token, config.block_size, config.max_num_seqs, self.max_model_len)
 
     # --- requests ---------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -43,6 +43,20 @@ class ModelRunner:
         counts = {i: moe.expert_tokens for i, moe in self.moe_layers.items() if moe.expert_tokens is not None}
         return {i: c.tolist() for i, c in counts.items()} or None
 
+    def capture_graphs(self, max_seqs: int | None = None, max_key_len: int | None = None) -> int:
+        """Capture decode graphs before the first request (see DecodeGraphs.capture); 0 without them.
+        A model whose step cannot be captured serves eagerly, as in run(); running out of memory is raised."""
+        if self.graphs is None:
+            return 0
+        try:
+            return self.graphs.capture(max_seqs, max_key_len)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            log.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(error).splitlines()[0])
+            self.graphs = None
+            return 0
+
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the scheduled tokens; logits [S', V] for the sequences whose chunk reached their end."""

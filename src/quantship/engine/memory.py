@@ -1,0 +1,155 @@
+"""What the engine puts in device memory and how it sizes its KV cache: the one copy of this
+arithmetic, used by the engine at start-up and by the capacity planner (`quantship capacity`).
+
+    free      = memory left once the weights are in: on CUDA what the driver reports free after
+                loading; with an explicit budget (EngineConfig.memory_bytes), budget - weight bytes
+    kv budget = kv_cache_fraction x free                                  (default 0.85)
+    blocks    = min(ceil(max_num_seqs x max_model_len / block_size),       (what the batch can use)
+                    kv budget // (block_size x bytes per token) - 1)       (what fits; -1: scratch block)
+    cache     = (blocks + 1) x block_size x bytes per token               (the scratch block CUDA-graph
+                                                                            padding writes into)
+    sequences of context L held at once = blocks // ceil(L / block_size)
+
+The rest of free memory, (1 - fraction) x free, is the reserve for everything that is not weights or
+cache: one step's activations, the CUDA graph pool, the int4 decode copies of packed Linears, and the
+caching allocator's slack. The estimates of those below are models of this engine's code paths
+(which tensors one step creates), not measurements; benchmarks/capacity_check.py --where gpu
+measures them against a real out-of-memory point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantship.models.config import ModelConfig
+
+KV_CACHE_FRACTION = 0.85  # share of free memory the KV cache takes (vLLM's gpu_memory_utilization is 0.9 of all)
+CPU_KV_CACHE_BYTES = 2 << 30  # on CPU, without an explicit budget: a fixed 2 GiB cache
+INT64, BOOL, FLOAT32 = 8, 1, 4
+
+
+class CacheTooSmall(ValueError):
+    """The budget holds no KV block: the weights take (nearly) all the memory given."""
+
+
+def free_after_weights(memory_bytes: int | None, weight_bytes: int, device: torch.device) -> int | None:
+    """Memory left for the cache and the reserve once the weights are loaded; None on CPU without a budget."""
+    free = None if memory_bytes is None else memory_bytes - weight_bytes
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what loading left reserved but unused is free memory too
+        reported = torch.cuda.mem_get_info(device)[0]
+        free = reported if free is None else min(free, reported)
+    return free
+
+
+def kv_cache_budget(free_bytes: int, fraction: float = KV_CACHE_FRACTION) -> int:
+    return int(free_bytes * fraction)
+
+
+def cache_blocks(budget_bytes: int, bytes_per_token: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int) -> int:
+    """Blocks the engine allocates: enough for max_num_seqs full contexts, at most what the budget
+    holds (the scratch block included). ValueError when the budget holds no block at all."""
+    wanted = -(-max_num_seqs * max_model_len // block_size)
+    fitting = budget_bytes // (block_size * bytes_per_token) - 1
+    if fitting < 1:
+        raise CacheTooSmall(f"a KV-cache budget of {max(budget_bytes, 0) / 2**20:.1f} MiB holds no block of "
+                         f"{block_size} tokens ({block_size * bytes_per_token / 2**20:.2f} MiB each, plus a "
+                         f"scratch block)")
+    return min(wanted, fitting)
+
+
+def cache_bytes(num_blocks: int, block_size: int, bytes_per_token: int) -> int:
+    return (num_blocks + 1) * block_size * bytes_per_token
+
+
+def sequences_held(num_blocks: int, block_size: int, context: int) -> int:
+    """Sequences of `context` tokens whose whole cache fits in num_blocks at once."""
+    return num_blocks // -(-context // block_size)
+
+
+def decode_kernel(config: ModelConfig, cuda: bool) -> bool:
+    """Whether decode attention reads the paged cache in place (kernels/paged_attention.py)."""
+    from quantship.kernels import paged_attention
+
+    return cuda and not config.is_mla and paged_attention.supports(
+        config.llama_head_dim, config.num_attention_heads, config.num_key_value_heads)
+
+
+def _mlp_numbers_per_token(config: ModelConfig) -> int:
+    """Temporaries per token of the widest MLP: gate, up and their product; for routed experts, per
+    chosen expert also the down projection's output before it is weighted and summed."""
+    c = config
+    dense = 3 * c.intermediate_size
+    if not c.is_mla or not c.n_routed_experts:
+        return dense
+    moe = c.num_experts_per_tok * (3 * c.moe_intermediate_size + c.hidden_size) + \
+        3 * c.moe_intermediate_size * c.n_shared_experts
+    return max(dense, moe)
+
+
+def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, queries: int, keys: int,
+                          tokens: int | None = None, cuda: bool = False) -> int:
+    """Peak transient memory of one engine step: `seqs` sequences, each padded to `queries` new tokens
+    (the longest chunk of the step), attending to `keys` keys; `tokens` real new tokens (default
+    seqs x queries). A model of models/paged.py and the attention/MLP code: the step's index tensors
+    and mask, the largest layer's temporaries, the hidden states, and the logits of every sequence."""
+    c, b = config, dtype.itemsize
+    tokens = seqs * queries if tokens is None else tokens
+    padded = seqs * queries
+    index = seqs * keys * (INT64 + BOOL * queries) + padded * (2 * INT64 + BOOL)  # key_slots, mask, query index
+    bias = padded * keys * b  # the boolean mask as the attention kernel's additive bias
+    if c.is_mla:
+        latent = c.kv_lora_rank + c.qk_rope_head_dim
+        attention = (tokens * c.num_attention_heads * (c.qk_head_dim + latent) * b  # q, absorbed q
+                     + c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * b  # kv_b_proj
+                     + padded * c.num_attention_heads * (latent + c.kv_lora_rank) * b  # padded q, output
+                     + seqs * keys * latent * b + bias)  # the gathered latent context
+    elif decode_kernel(c, cuda) and queries == 1:
+        attention = tokens * c.num_attention_heads * c.llama_head_dim * (b + FLOAT32)
+    else:
+        head, groups = c.llama_head_dim, c.num_attention_heads // c.num_key_value_heads
+        context = seqs * keys * 2 * c.num_key_value_heads * head * b
+        attention = (context * (2 if groups > 1 else 1)  # gathered K/V, and its per-head copy under GQA
+                     + 2 * padded * c.num_attention_heads * head * b + bias)
+    mlp = tokens * _mlp_numbers_per_token(c) * b
+    hidden = 4 * tokens * c.hidden_size * b
+    logits = seqs * c.vocab_size * (b + 2 * FLOAT32)  # lm_head output, the float32 copy and softmax of sampling
+    return index + max(attention, mlp) + hidden + logits
+
+
+def peak_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
+                          batch: int, context: int, cuda: bool) -> int:
+    """The largest step the scheduler can form with `batch` running sequences of up to `context`
+    tokens: a whole prefill chunk, a decode of the batch, or both in one step (the decodes are then
+    padded to the chunk's length)."""
+    chunk = min(max_num_batched_tokens, context)
+    decode = min(batch, max_num_batched_tokens)
+    mixed_chunk = max(1, max_num_batched_tokens - (decode - 1))
+    shapes = [(1, chunk, chunk), (decode, 1, decode), (decode, min(mixed_chunk, context), max_num_batched_tokens)]
+    return max(step_activation_bytes(config, dtype, s, q, context, t, cuda) for s, q, t in shapes)
+
+
+def graph_pool_bytes(config: ModelConfig, dtype: torch.dtype, max_seqs: int, max_len: int, block_size: int) -> int:
+    """CUDA graphs of decode steps (engine/cuda_graphs.py), every bucket captured: each graph keeps its
+    static inputs and logits; the temporaries of the largest one are shared through the pool."""
+    from quantship.engine.cuda_graphs import buckets
+
+    seq_buckets, key_buckets = buckets(max_seqs, 1), buckets(max_len, max(256, block_size))
+    static = sum(size * (key_len * (INT64 + BOOL) + 6 * INT64 + config.vocab_size * dtype.itemsize)
+                 for size in seq_buckets for key_len in key_buckets)
+    largest = step_activation_bytes(config, dtype, seq_buckets[-1], 1, key_buckets[-1], cuda=True)
+    return static + largest
+
+
+def int4_decode_copy(name: str, module: torch.nn.Module) -> int:
+    """Bytes of the tinygemm copy a PackedLinear makes of its int4 weight at its first CUDA decode in
+    bf16 (kernels/wna16.py): the packed bytes again plus scales and offsets as bf16 pairs. Routed
+    experts run through the fused MoE kernels instead and make none."""
+    from quantship.kernels.wna16 import TINYGEMM_GROUPS
+    from quantship.models.quantized import PackedLinear
+
+    if not (isinstance(module, PackedLinear) and module.bits == 4 and module.group_size in TINYGEMM_GROUPS
+            and module.in_features % 128 == 0 and module.out_features % 8 == 0 and ".experts." not in f".{name}"):
+        return 0
+    return module.out_features * module.in_features // 2 + 2 * 2 * module.weight_scale.numel()
