@@ -69,6 +69,22 @@ def module_pattern(text: str) -> str:
     return text
 
 
+def token_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated positive token counts: 4096,8192,32768 (4k and 32K are read as 4096 and 32768)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            value = int(part[:-1] if scale > 1 else part) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected token counts like 4096,8192, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+        out.append(value)
+    return tuple(out)
+
+
 SEED = integer(INT64_MIN, INT64_MAX)
 POSITIVE_FLOAT = number(0, lo_open=True)
 POSITIVE = integer(1)
