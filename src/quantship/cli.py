@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 
 from quantship import __version__
-from quantship.argtypes import PORT, POSITIVE, POSITIVE_FLOAT, SEED, OneLineParser, integer, module_pattern, number
+from quantship.argtypes import (PORT, POSITIVE, POSITIVE_FLOAT, SEED, OneLineParser, integer, module_pattern, number,
+                                token_counts)
 from quantship.errors import QuantshipError
 from quantship.files import check_output_location
 
@@ -308,9 +309,21 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, engine=args.engine, device=args.device, served_model_name=args.served_model_name,
         api_key=args.api_key, api_key_file=args.api_key_file, max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
-        prefix_caching=not args.no_prefix_caching,
+        kv_cache_fraction=args.kv_cache_fraction, prefix_caching=not args.no_prefix_caching,
         inject_latency_ms=args.inject_latency_ms, inject_error_rate=args.inject_error_rate,
         request_timeout_s=args.request_timeout, otlp_endpoint=args.otlp_endpoint, expert_stats=args.expert_stats))
+
+
+def cmd_capacity(args) -> int:
+    from quantship.deploy.capacity import Request, plan
+    from quantship.deploy.capacity_report import lines
+
+    result = plan(Request(model=args.model, scheme=args.scheme, gpu=args.gpu, gpu_memory_gb=args.gpu_memory,
+                          contexts=args.context, batch_cap=args.max_num_seqs_cap, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          kv_cache_fraction=args.kv_cache_fraction))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(lines(result)))
+    return 0
 
 
 def cmd_deploy(args) -> int:
@@ -504,6 +517,12 @@ EXAMPLES = {
         quantship serve tiny-w4a16 --port 8001 --max-queue 64 --api-key "$KEY"
         quantship serve /models/deepseek-coder-6.7b-w4a16 --engine vllm --host 0.0.0.0
     """,
+    "capacity": """
+        quantship capacity /models/deepseek-coder-6.7b --gpu H200                 # 4K, 8K (and 32K where the model has it)
+        quantship capacity /models/deepseek-coder-6.7b --gpu H200 --scheme W4A16 --context 4096,16384
+        quantship capacity v2-lite-config/ --gpu-memory 80 --json                # a config.json-only directory works
+    GPUs in the table (deploy/gpus.yaml, with sources): H200, H100-80G, A100-80G, A100-40G, L40S, L4, A10G
+    """,
     "deploy": """
         quantship deploy tiny -o k8s/ --gpus 0                   # CPU-only manifests for the bundled model
         quantship deploy /models/v3-w4a16 -o k8s/ --engine vllm --gpu-type NVIDIA-H200 --replicas 2:8 --canary
@@ -696,6 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=POSITIVE, metavar="N",
                    help="context length, at most the model's (default: the model's)")
     p.add_argument("--block-size", type=integer(1, 1024), metavar="N", help="tokens per KV-cache block (default 16)")
+    p.add_argument("--kv-cache-fraction", type=number(0, 1, lo_open=True), metavar="F",
+                   help="share of the memory left after the weights that the KV cache takes (default 0.85; on "
+                        "CPU the cache is 2 GiB); `quantship capacity` recommends one")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     p.add_argument("--request-timeout", type=POSITIVE_FLOAT, metavar="S",
                    help="stop a request S seconds after it arrived (finish_reason 'timeout'); default: none")
@@ -750,6 +772,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="verify: a file present but not listed in SHA256SUMS fails (default: a warning)")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+
+    p = add("capacity", "How many sequences of which length one GPU holds: weights per scheme, KV bytes per token, "
+                        "the engine's overheads, the out-of-memory point, and a roofline's throughput-optimal batch.",
+            cmd_capacity)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL",
+                   help="a model directory (a config.json alone is enough) or 'tiny'")
+    p.add_argument("--scheme", metavar="S", help="plan for the model quantized to S: BF16, W8A16, W8A8, FP8_DYNAMIC, "
+                                                 "FP8_BLOCK, W4A16, W4A16_ASYM (default: the checkpoint as stored)")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", metavar="NAME", help="a GPU of the table (see below), or its nvidia.com/gpu.product label")
+    gpu.add_argument("--gpu-memory", type=POSITIVE_FLOAT, metavar="GB", help="a GPU known only by its memory (no roofline)")
+    p.add_argument("--context", type=token_counts, metavar="L,L,..",
+                   help="context lengths to plan for (default 4096,8192,32768, those the model takes)")
+    p.add_argument("--max-num-seqs-cap", type=POSITIVE, default=256, metavar="N",
+                   help="the largest batch to plan (default 256, vLLM's max_num_seqs)")
+    p.add_argument("--kv-cache-fraction", type=number(0, 1, lo_open=True), metavar="F",
+                   help="share of free memory for the KV cache (default: the largest whose reserve holds twice "
+                        "the estimated overheads)")
+    p.add_argument("--block-size", type=integer(1, 1024), default=16, metavar="N", help="tokens per KV block (16)")
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE, default=512, metavar="N",
+                   help="the engine's token budget per step (512): sizes the prefill activations")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     p = add("gate", "Compare a canary with its baseline on Prometheus: exit 0 promote, 1 roll back, 2 inconclusive.",
             cmd_gate)

@@ -36,6 +36,7 @@ class ServeOptions:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     block_size: int | None = None
+    kv_cache_fraction: float | None = None  # share of memory free after the weights for the KV cache (0.85)
     prefix_caching: bool = True
     drain_timeout_s: float = 120.0
     inject_latency_ms: float = 0.0  # canary drills: a deliberately worse server
@@ -72,6 +73,10 @@ def _check(opts: ServeOptions) -> None:
         raise QuantshipError(f"--request-timeout must be positive, got {opts.request_timeout_s}")
     if not 0 <= opts.inject_latency_ms < math.inf or not 0 <= opts.inject_error_rate <= 1:
         raise QuantshipError("--inject-latency-ms must be >= 0 and --inject-error-rate in [0, 1]")
+    if opts.kv_cache_fraction is not None and not 0 < opts.kv_cache_fraction <= 1:
+        raise QuantshipError(f"--kv-cache-fraction must be in (0, 1], got {opts.kv_cache_fraction}")
+    if opts.kv_cache_fraction is not None and opts.engine == "vllm":
+        raise QuantshipError("--kv-cache-fraction is the native engine's; vLLM takes --gpu-memory-utilization")
     if opts.api_key_file is not None:
         opts.api_key = _read_api_key(Path(opts.api_key_file), opts.api_key)
     if opts.otlp_endpoint is not None:
@@ -144,18 +149,23 @@ def _build(path: Path, name: str, opts: ServeOptions):
     from quantship.engine.async_engine import AsyncEngine
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import load_engine
+    from quantship.engine.memory import CacheTooSmall
     from quantship.models.quantized import weight_memory
     from quantship.server.app import create_app
     from quantship.server.tracing import build_request_tracer
 
     config = EngineConfig(enable_prefix_caching=opts.prefix_caching, expert_stats=opts.expert_stats)
     for option, field_name in (("max_queue", "max_waiting"), ("max_num_seqs", "max_num_seqs"),
-                               ("max_model_len", "max_model_len"), ("block_size", "block_size")):
+                               ("max_model_len", "max_model_len"), ("block_size", "block_size"),
+                               ("kv_cache_fraction", "kv_cache_fraction")):
         if getattr(opts, option) is not None:
             setattr(config, field_name, getattr(opts, option))
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     log.info("loading %s on %s", path, device)
-    engine = load_engine(path, device, config=config)
+    try:
+        engine = load_engine(path, device, config=config)
+    except CacheTooSmall as exc:
+        raise QuantshipError(f"no room for a KV cache on {device}: {exc}") from None
     memory = weight_memory(engine.model)
     log.info("weights: %.1f MiB on %s%s", memory["weight_bytes"] / 2**20, device,
              f", of which {memory['packed_linears']} packed int Linears {memory['packed_linear_bytes'] / 2**20:.1f} MiB"
