@@ -17,7 +17,8 @@ from quantship.cli import main
 from quantship.deploy import generate as generate_module
 from quantship.deploy.canary import load_rules
 from quantship.deploy.model import count_parameters, estimate_size, read_model
-from quantship.deploy.sizing import gpus_needed, startup
+from quantship.deploy.serving import serving_plan
+from quantship.deploy.sizing import startup
 from quantship.deploy.validate import validate_dir
 from quantship.deploy.versions import compatible, parse, satisfies
 from quantship.errors import QuantshipError
@@ -109,11 +110,14 @@ def test_model_facts_and_sizing(v3, tmp_path):
     size, params = estimate_size(load_config(v3))
     assert params == 671_026_404_352  # DeepSeek-V3 without its MTP layer
     assert 340e9 < size < 360e9  # 4 bits + a bf16 scale per 128 weights; embeddings and lm_head in bf16
-    assert gpus_needed(size, "NVIDIA-H100-80GB-HBM3", 128) == 8 and gpus_needed(size, "NVIDIA-H200", 128) == 4
+    # The capacity planner picks the GPUs: the fewest (a power of two) whose memory holds the weights
+    # and at least one sequence of the served context.
+    assert serving_plan(str(v3), "NVIDIA-H100-80GB-HBM3", None, "vllm", 32768, 128).gpus == 8
+    assert serving_plan(str(v3), "NVIDIA-H200", None, "vllm", 32768, 128).gpus == 4
     bf16 = describe(tmp_path / "deepseek-v3-bf16")
     assert read_model(bf16).size_bytes > 1.3e12
-    with pytest.raises(QuantshipError, match="more than 8"):
-        gpus_needed(read_model(bf16).size_bytes, "NVIDIA-H100-80GB-HBM3", 128)
+    with pytest.raises(QuantshipError, match="does not fit 8 NVIDIA-H100-80GB-HBM3"):
+        serving_plan(str(bf16), "NVIDIA-H100-80GB-HBM3", None, "vllm", 32768, 128)
     s = startup(int(100e9), 250.0, "vllm")  # 400 s to read + 300 s warm-up, times 1.5
     assert (s.load_estimate_s, s.budget_s, s.failure_threshold) == (700, 1050, 105)
     assert read_model(v3, size_gb=400).size_bytes == 400e9

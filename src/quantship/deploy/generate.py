@@ -27,6 +27,7 @@ import yaml
 
 from quantship import __version__
 from quantship.deploy import autoscaling, manifests, monitoring, rollout, sizing
+from quantship.deploy.serving import serving_plan
 from quantship.deploy.canary import load_rules
 from quantship.deploy.checksums import MANIFEST_FILE, SUMS_FILE, sums_text
 from quantship.deploy.matching import parse_quantity
@@ -126,7 +127,7 @@ def check_strings(opts: DeployOptions) -> None:
         raise QuantshipError(f"--prometheus-url {opts.prometheus_url!r} is not an http(s) URL")
 
 
-def make_plan(facts: ModelFacts, opts: DeployOptions) -> manifests.Plan:
+def make_plan(facts: ModelFacts, opts: DeployOptions, model: str | Path = "tiny") -> manifests.Plan:
     check_strings(opts)
     if opts.engine not in sizing.WARMUP_S:
         raise QuantshipError(f"--engine must be one of {', '.join(sizing.WARMUP_S)}")
@@ -134,12 +135,13 @@ def make_plan(facts: ModelFacts, opts: DeployOptions) -> manifests.Plan:
         raise QuantshipError("--autoscaler must be hpa or keda")
     if opts.queue_target < 1 or not 0 < opts.ttft_slo_s < math.inf:
         raise QuantshipError("--queue-target must be at least 1 and --ttft-slo positive")
-    gpus = opts.gpus if opts.gpus is not None else sizing.gpus_needed(facts.size_bytes, opts.gpu_type,
-                                                                      facts.num_attention_heads)
-    if gpus < 0 or (gpus == 0 and opts.engine == "vllm"):
+    if opts.gpus is not None and (opts.gpus < 0 or (opts.gpus == 0 and opts.engine == "vllm")):
         raise QuantshipError("--gpus must be >= 0 (0, CPU only, needs --engine native)")
     if opts.max_model_len is not None and not 0 < opts.max_model_len <= facts.max_position_embeddings:
         raise QuantshipError(f"--max-model-len must be in 1..{facts.max_position_embeddings} for this model")
+    max_model_len = opts.max_model_len or min(facts.max_position_embeddings, 32768)
+    serving = serving_plan(facts.source, opts.gpu_type, opts.gpus, opts.engine, max_model_len, facts.num_attention_heads)
+    gpus = serving.gpus
     image = opts.image or (manifests.VLLM_IMAGE if opts.engine == "vllm" else f"quantship-server:{__version__}")
     return manifests.Plan(
         model=facts, engine=opts.engine, gpus=gpus, gpu_type=opts.gpu_type,
@@ -147,9 +149,8 @@ def make_plan(facts: ModelFacts, opts: DeployOptions) -> manifests.Plan:
         startup=sizing.startup(facts.size_bytes, opts.load_mbps, opts.engine),
         load_bytes_per_s=opts.load_mbps * 1e6, replicas=sizing.parse_replicas(opts.replicas),
         autoscaler=opts.autoscaler, canary=opts.canary, image=image,
-        max_model_len=opts.max_model_len or min(facts.max_position_embeddings, 32768),
-        queue_target=opts.queue_target, prometheus_url=opts.prometheus_url, storage_class=opts.storage_class,
-        ttft_slo_s=opts.ttft_slo_s)
+        max_model_len=max_model_len, queue_target=opts.queue_target, prometheus_url=opts.prometheus_url,
+        storage_class=opts.storage_class, ttft_slo_s=opts.ttft_slo_s, serving=serving)
 
 
 def build(plan: manifests.Plan, opts: DeployOptions, out: str = "DIR") -> dict[str, str]:
@@ -194,7 +195,8 @@ def manifest(plan: manifests.Plan) -> dict:
                  "gpu_type": plan.gpu_type if plan.gpus else None, "resources": plan.resources,
                  "replicas": list(plan.replicas), "autoscaler": plan.autoscaler, "canary": plan.canary,
                  "max_model_len": plan.max_model_len, "queue_target": plan.queue_target,
-                 "load_bandwidth_mb_per_s": plan.load_bytes_per_s / 1e6, "startup": asdict(plan.startup)},
+                 "load_bandwidth_mb_per_s": plan.load_bytes_per_s / 1e6, "startup": asdict(plan.startup),
+                 "capacity": plan.serving.to_dict() if plan.serving else None},
     }
 
 
@@ -216,7 +218,7 @@ def generate(model: str | Path, out: str | Path, opts: DeployOptions) -> dict:
         summary = json.loads(files[MANIFEST_FILE])
     else:
         facts = read_model(model, name=opts.name, size_gb=opts.size_gb)
-        plan = make_plan(facts, opts)
+        plan = make_plan(facts, opts, model)
         files = build(plan, opts, str(out))
         summary = manifest(plan)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -267,6 +269,15 @@ def summary_lines(result: dict) -> list[str]:
         f"autoscaling: {p['autoscaler']} on vllm:num_requests_waiting (target {p['queue_target']} per replica), "
         f"replicas {p['replicas'][0]}..{p['replicas'][1]}, scale-up at most doubling per cold start",
     ]
+    c = p.get("capacity")
+    if c and c["max_num_seqs"] is not None:
+        memory = (f", --kv-cache-fraction {c['kv_cache_fraction']:.2f}" if c["kv_cache_fraction"] is not None else
+                  f", --gpu-memory-utilization {c['gpu_memory_utilization']:.2f}" if c["gpu_memory_utilization"] else "")
+        held = ", ".join(f"{n} at {ctx}" for ctx, n in c["seqs_at"].items())
+        lines.append(f"capacity: --max-num-seqs {c['max_num_seqs']}{memory} ({c['note']}); the cache holds {held} "
+                     f"tokens" + (f"; see {c['command']}" if c["command"] else ""))
+    elif c:
+        lines.append(f"capacity: {c['note']}")
     if p["canary"]:
         lines.append(f"canary: Rollout over the Deployment, 10% -> 50% -> 100% with an AnalysisTemplate; "
                      f"kubectl apply -k {out}/canary")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from quantship import __version__
 from quantship.deploy.model import ModelFacts
+from quantship.deploy.serving import ServingPlan
 from quantship.deploy.sizing import GIB, WARMUP_S, Startup
 
 PORT = 8000
@@ -41,6 +42,7 @@ class Plan:
     prometheus_url: str
     storage_class: str | None = None
     ttft_slo_s: float = 2.0
+    serving: ServingPlan | None = None  # batch and memory fraction from the capacity planner
 
     @property
     def name(self) -> str:
@@ -97,9 +99,17 @@ def server_args(plan: Plan) -> list[str]:
                 "--max-model-len", str(plan.max_model_len)]
         if plan.gpus > 1:
             args += ["--tensor-parallel-size", str(plan.gpus)]
-        return args
+        return args + _capacity_args(plan.serving, "--gpu-memory-utilization", "gpu_memory_utilization")
     return ["serve", plan.model_path, "--host", "0.0.0.0", "--port", str(PORT), "--served-model-name", plan.name,
-            "--max-model-len", str(plan.max_model_len), "--device", "cuda" if plan.gpus else "cpu"]
+            "--max-model-len", str(plan.max_model_len), "--device", "cuda" if plan.gpus else "cpu",
+            *_capacity_args(plan.serving, "--kv-cache-fraction", "kv_cache_fraction")]
+
+
+def _capacity_args(serving: ServingPlan | None, flag: str, field: str) -> list[str]:
+    if serving is None or serving.max_num_seqs is None:
+        return []
+    args = ["--max-num-seqs", str(serving.max_num_seqs)]
+    return args + ([flag, f"{getattr(serving, field):.2f}"] if getattr(serving, field) is not None else [])
 
 
 def _probe(path: str, period: int, failures: int) -> dict:
@@ -146,7 +156,24 @@ def workload_annotations(plan: Plan) -> dict[str, str]:
             ANNOTATION + "warmup-seconds": str(WARMUP_S[plan.engine]),
             ANNOTATION + "load-estimate-seconds": str(plan.startup.load_estimate_s),
             ANNOTATION + "checkpoint-format": plan.model.checkpoint_format,
-            ANNOTATION + "version": __version__}
+            ANNOTATION + "version": __version__, **capacity_annotations(plan.serving)}
+
+
+def capacity_annotations(serving: ServingPlan | None) -> dict[str, str]:
+    """Where the server's batch, memory fraction and GPU count came from."""
+    if serving is None:
+        return {}
+    s = serving
+    out = {ANNOTATION + "capacity-gpus": str(s.gpus), ANNOTATION + "capacity-note": s.note}
+    if s.max_num_seqs is not None:
+        out[ANNOTATION + "capacity-max-num-seqs"] = str(s.max_num_seqs)
+        out[ANNOTATION + "capacity-sequences-held"] = ", ".join(f"{n} at {c} tokens" for c, n in s.seqs_at.items())
+    for key, value in (("kv-cache-fraction", s.kv_cache_fraction), ("gpu-memory-utilization", s.gpu_memory_utilization)):
+        if value is not None:
+            out[ANNOTATION + f"capacity-{key}"] = f"{value:.2f}"
+    if s.command:
+        out[ANNOTATION + "capacity-plan"] = s.command
+    return out
 
 
 def pod_template(plan: Plan, config: dict) -> dict:

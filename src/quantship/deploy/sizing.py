@@ -1,4 +1,5 @@
-"""From model facts to a pod's shape: GPUs, CPU and memory, and how long it may take to start.
+"""From model facts to a pod's shape: CPU and memory, and how long it may take to start (how many
+GPUs, and the batch they hold, come from the capacity planner: serving.py).
 
 Startup budget (the startupProbe's failureThreshold × periodSeconds):
 
@@ -21,20 +22,7 @@ from dataclasses import dataclass
 from quantship.errors import QuantshipError
 
 GIB = 2**30
-# memory.total as nvidia-smi reports it, in MiB, keyed by the `nvidia.com/gpu.product` node label.
-GPU_MEMORY_MIB = {
-    "NVIDIA-H200": 143771,
-    "NVIDIA-H100-80GB-HBM3": 81559,
-    "NVIDIA-A100-SXM4-80GB": 81920,
-    "NVIDIA-A100-SXM4-40GB": 40960,
-    "NVIDIA-L40S": 46068,
-    "NVIDIA-L4": 23034,
-    "NVIDIA-A10G": 23028,
-}
-DEFAULT_GPU = "NVIDIA-H100-80GB-HBM3"
-# Weights may take this share of GPU memory; the rest holds the KV cache, activations and CUDA graphs.
-WEIGHT_SHARE = 0.7
-MAX_GPUS_PER_POD = 8  # one node; multi-node tensor parallelism is out of scope
+DEFAULT_GPU = "NVIDIA-H100-80GB-HBM3"  # a product label of deploy/gpus.yaml, where the GPUs' numbers live
 DEFAULT_LOAD_MBPS = 250.0
 WARMUP_S = {"vllm": 300, "native": 30}
 SAFETY = 1.5
@@ -61,22 +49,6 @@ def startup(size_bytes: int, load_mbps: float, engine: str) -> Startup:
 def load_estimate_s(size_bytes: int, load_bytes_per_s: float, warmup_s: float) -> float:
     """The same estimate from the numbers recorded in a workload's annotations (used by validate)."""
     return size_bytes / load_bytes_per_s + warmup_s
-
-
-def gpus_needed(size_bytes: int, gpu_type: str, num_heads: int) -> int:
-    """Fewest GPUs (a power of two dividing the attention heads, for tensor parallelism) whose
-    WEIGHT_SHARE holds the weights."""
-    if gpu_type not in GPU_MEMORY_MIB:
-        raise QuantshipError(f"unknown GPU type {gpu_type!r} (known: {', '.join(GPU_MEMORY_MIB)}); give --gpus N")
-    per_gpu = GPU_MEMORY_MIB[gpu_type] * 2**20 * WEIGHT_SHARE
-    gpus = 1
-    while gpus * per_gpu < size_bytes or num_heads % gpus:
-        gpus *= 2
-        if gpus > MAX_GPUS_PER_POD:
-            raise QuantshipError(
-                f"{size_bytes / 1e9:.0f} GB of weights need more than {MAX_GPUS_PER_POD} {gpu_type} GPUs; "
-                "quantize the model (quantship quantize) or pick a larger --gpu-type")
-    return gpus
 
 
 def pod_resources(size_bytes: int, gpus: int, cpu: str | None, memory: str | None) -> dict[str, str]:
