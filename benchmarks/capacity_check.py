@@ -1,0 +1,283 @@
+"""The capacity planner (`quantship capacity`) against the real engine.
+
+Here (CPU, bundled model): the engine is given an explicit memory budget (EngineConfig.memory_bytes,
+what `--gpu-memory` means to the planner) and filled with sequences of each context length at once;
+the sequences it admits before it makes the next one wait must equal the planner's "seqs (engine)".
+    .venv/bin/python benchmarks/capacity_check.py run --where cpu
+On the GPU machine (random weights of the real configs; one process per shape keeps runs apart):
+    PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --out $OUT
+    PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --scheme W4A16 --out $OUT
+    PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape v2-lite --out $OUT
+Then here: .venv/bin/python benchmarks/capacity_check.py render benchmarks/results/capacity_check_*.json
+
+On the GPU each trial builds an engine whose cache holds N sequences of L tokens (num_blocks =
+N x ceil(L/16)), captures every decode graph bucket up to its batch (min(N, 256)) and L, then runs the
+planner's worst steps: one real prompt of L-1 tokens prefilled in chunks while the rest of the batch
+decodes (mixed steps, decodes padded to the chunk), then a decode of the whole batch at context L.
+The batch's other sequences are placed in the cache without computing their prompts (their blocks are
+allocated, their contents left as the zeros the cache starts with): memory is the same, and the GPU
+time goes to the search instead of arithmetic that does not change it. The measured out-of-memory
+point is the largest N that runs, found by bisection around the planner's prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import table, update_section, write_result  # noqa: E402
+
+CPU_CONTEXTS = (512, 1000, 2000)  # L % 16 != 1: a prompt of L-1 tokens takes the blocks of L
+CPU_BUDGET_GB = 0.12
+GPU_CONTEXTS = {"coder-6.7b": (4096, 8192, 16384), "v2-lite": (4096, 8192, 32768)}  # coder's context is 16K
+EXTRA = 3  # requests beyond the prediction: they must wait
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def admitted(model, memory_bytes: int, context: int, predicted: int) -> dict:
+    """Submit predicted + EXTRA prompts of context - 1 tokens at once (token budget and batch limit
+    out of the way) and step once: the engine admits what its cache holds, the rest wait."""
+    from quantship.engine.config import EngineConfig
+    from quantship.engine.engine import LLMEngine
+    from quantship.engine.sampling import SamplingParams
+
+    n = predicted + EXTRA
+    config = EngineConfig(memory_bytes=memory_bytes, max_num_seqs=n + 1, max_num_batched_tokens=n * context,
+                          max_model_len=context + 1, enable_prefix_caching=False, max_waiting=n + 1)
+    engine = LLMEngine(model, config)
+    for i in range(n):
+        engine.add_request(str(i), _prompt(context - 1, model.config.vocab_size, i),
+                           SamplingParams(max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - start
+    s = engine.stats()
+    kv_bytes = sum(t.numel() * t.element_size() for t in engine.runner.kv)
+    while engine.has_unfinished():  # the rest run once blocks free up: nothing is lost, nothing preempted
+        engine.step()
+    return {"context": context, "predicted": predicted, "admitted": s.num_running, "waiting": s.num_waiting,
+            "num_blocks": engine.blocks.num_blocks, "kv_cache_bytes": kv_bytes,
+            "preemptions": engine.stats().num_preemptions, "first_step_s": seconds}
+
+
+def run_cpu(out: Path) -> dict:
+    from quantship.deploy.capacity import Request, plan
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+
+    model = load_model(TINY_DIR, torch.float32)
+    p = plan(Request(model="tiny", device="cpu", gpu_memory_gb=CPU_BUDGET_GB, contexts=CPU_CONTEXTS))
+    rows = []
+    for row in p.rows:
+        got = admitted(model, int(CPU_BUDGET_GB * 1e9), row.context, row.seqs_engine)
+        got["planned_num_blocks"], got["planned_cache_bytes"] = p.memory["num_blocks"], p.memory["cache_bytes"]
+        print(json.dumps(got), flush=True)
+        rows.append(got)
+    result = {"where": "cpu", "model": "tiny", "memory_gb": CPU_BUDGET_GB, "dtype": "float32",
+              "torch": torch.__version__, "plan": p.to_dict(), "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity_check_cpu.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+# --- GPU: the real out-of-memory point ---------------------------------------------------------------------
+
+def gpu_model(shape: str, scheme: str | None):
+    from engine_throughput import quantized_copy
+    from quantize_speed import SHAPES
+
+    from quantship.models.causal_lm import CausalLM
+    from quantship.models.config import config_from_dict
+
+    config = config_from_dict(SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = CausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
+    for m in model.modules():
+        if hasattr(m, "e_score_correction_bias") or type(m).__name__ == "Router":
+            torch.nn.init.normal_(m.weight, std=0.02)  # spread the routing over the experts
+    if scheme == "W4A16":
+        quantized = quantized_copy(model)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = quantized
+    return model, config
+
+
+def _fill(engine, seq, blocks_for: int) -> None:
+    """Place a sequence in the running batch as if its prompt had been prefilled and a first token
+    sampled, with blocks for `blocks_for` tokens."""
+    from quantship.engine.sequence import Status
+
+    engine.scheduler.waiting.remove(seq)
+    assert engine.blocks.allocate(seq, blocks_for)
+    seq.num_computed = len(seq.prompt_ids)
+    seq.token_ids.append(3)
+    seq.status = Status.RUNNING
+    seq.metrics.first_scheduled = seq.metrics.first_token = time.monotonic()
+    engine.scheduler.running.append(seq)
+
+
+def trial(model, context: int, n: int, batch_cap: int, budget_tokens: int) -> dict | None:
+    """Run the worst steps with a cache of n sequences of `context`; None when it runs out of memory."""
+    from quantship.engine.config import EngineConfig
+    from quantship.engine.engine import LLMEngine
+    from quantship.engine.sampling import SamplingParams
+
+    bs, vocab = 16, model.config.vocab_size
+    batch = min(n, batch_cap)
+    steps = -(-(context - 1) // max(1, budget_tokens - (batch - 1))) + 2  # the real prompt's chunks, and then some
+    engine = None
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        config = EngineConfig(num_blocks=n * -(-context // bs), max_num_seqs=batch, max_num_batched_tokens=budget_tokens,
+                              max_model_len=context, enable_prefix_caching=False, max_waiting=batch + 1)
+        engine = LLMEngine(model, config)
+        graphs = engine.runner.capture_graphs(batch, context)
+        residents = []
+        for i in range(batch - 1):
+            length = max(2, context - steps - 2)
+            seq = engine.add_request(f"r{i}", _prompt(length, vocab, i), SamplingParams(max_tokens=steps, ignore_eos=True))
+            _fill(engine, seq, context)
+            residents.append(seq)
+        engine.add_request("real", _prompt(context - 1, vocab, -1), SamplingParams(max_tokens=1, ignore_eos=True))
+        while "real" in engine.sequences:
+            engine.step()
+        engine.step()  # the whole batch decodes at (nearly) the full context
+        torch.cuda.synchronize()
+        return {"n": n, "ok": True, "graphs": graphs, "peak_allocated": torch.cuda.max_memory_allocated(),
+                "peak_reserved": torch.cuda.max_memory_reserved(), "preemptions": engine.stats().num_preemptions}
+    except torch.OutOfMemoryError as error:
+        return {"n": n, "ok": False, "error": str(error).splitlines()[0][:300]}
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tokens: int, log: list) -> int:
+    """The largest n that runs: bracket around the prediction, then bisect."""
+    def ok(n: int) -> bool:
+        result = trial(model, context, n, batch_cap, budget_tokens)
+        log.append({"context": context, **result})
+        print(json.dumps(log[-1]), flush=True)
+        return result["ok"]
+
+    good, bad = 0, None
+    n = max(1, predicted)
+    while bad is None:
+        if ok(n):
+            good, n = n, max(n + 1, int(n * 1.05))
+        else:
+            bad = n
+            while good == 0 and n > 1:  # the prediction was too high: walk down
+                n = max(1, int(n * 0.9))
+                if ok(n):
+                    good = n
+                else:
+                    bad = n
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if ok(mid) else (good, mid)
+    return good
+
+
+def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...] | None) -> dict:
+    import tempfile
+
+    from quantize_speed import SHAPES
+
+    from quantship.deploy.capacity import Request, plan
+
+    props = torch.cuda.get_device_properties(0)
+    free_at_start, total = torch.cuda.mem_get_info()
+    name = f"{shape}" + (f"-{scheme.lower()}" if scheme else "")
+    path = out / f"capacity_check_{name}.json"
+    model, config = gpu_model(shape, scheme)
+    weights_loaded = torch.cuda.memory_allocated()
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(SHAPES[shape]))
+        p = plan(Request(model=d, scheme=scheme, gpu="H200", contexts=contexts or GPU_CONTEXTS[shape]))
+    result = {"where": "gpu", "shape": shape, "scheme": scheme or "BF16", "device": props.name,
+              "torch": torch.__version__, "total_memory": props.total_memory, "free_at_start": free_at_start,
+              "cuda_total": total, "weights_allocated": weights_loaded, "plan": p.to_dict(), "rows": [], "trials": []}
+    for row in p.rows:
+        start = time.time()
+        got = measured_oom(model, row.context, row.seqs_oom, 256, 512, result["trials"])
+        result["rows"].append({"context": row.context, "predicted_oom": row.seqs_oom, "measured_oom": got,
+                               "error": (row.seqs_oom - got) / got if got else None, "seconds": time.time() - start})
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))  # after every context: a cut-short run still reports
+    return result
+
+
+def render(paths: list[str]) -> None:
+    cpu_rows, gpu_rows = [], []
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        write_result(Path(p).stem, r)
+        if r["where"] == "cpu":
+            for row in r["rows"]:
+                cpu_rows.append([row["context"], row["predicted"], row["admitted"], row["waiting"],
+                                 f"{row['planned_num_blocks']} / {row['num_blocks']}",
+                                 f"{row['planned_cache_bytes'] / 2**20:.2f} / {row['kv_cache_bytes'] / 2**20:.2f}",
+                                 row["preemptions"]])
+        else:
+            for row in r["rows"]:
+                err = f"{100 * row['error']:+.1f}%" if row["error"] is not None else "-"
+                gpu_rows.append([r["shape"], r["scheme"], row["context"], row["predicted_oom"], row["measured_oom"], err])
+    text = ["## Capacity planner against the engine", "",
+            "`benchmarks/capacity_check.py`. `quantship capacity` predicts, per context length, how many sequences "
+            "the engine's KV cache holds (its own sizing, engine/memory.py) and where a larger cache would run out "
+            "of memory."]
+    if cpu_rows:
+        text += ["", f"CPU, bundled model (float32), an explicit budget of {CPU_BUDGET_GB} GB "
+                 "(EngineConfig.memory_bytes, what `--gpu-memory` is to the planner): prompts of L-1 tokens submitted "
+                 f"all at once ({EXTRA} more than predicted), one step; the engine admits exactly what the planner "
+                 "says and makes the rest wait. This checks the arithmetic, not an out-of-memory point, which needs "
+                 "a GPU.", "",
+                 table(["context L", "planned", "admitted", "waiting", "blocks planned / allocated",
+                        "cache MiB planned / allocated", "preemptions"], cpu_rows)]
+    text += ["", "H200, the real out-of-memory point (6.7B bf16 and W4A16, V2-Lite bf16; random weights of the "
+             "real configs): " + ("measured against the prediction below." if gpu_rows else
+                                  "**not measured yet** (no GPU time in the session that wrote this); the "
+                                  "commands are in the script's docstring.")]
+    if gpu_rows:
+        text += ["", table(["shape", "scheme", "context", "predicted OOM", "measured OOM", "error"], gpu_rows)]
+    update_section("capacity_check", "\n".join(text))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--where", choices=["cpu", "gpu"], required=True)
+    r.add_argument("--shape", choices=list(GPU_CONTEXTS), default="coder-6.7b")
+    r.add_argument("--scheme", choices=["W4A16"], help="quantize the shape's Linears (RTN, group 128) first")
+    r.add_argument("--contexts", type=lambda t: tuple(int(x) for x in t.split(",")))
+    r.add_argument("--out", default="benchmarks/results")
+    g = sub.add_parser("render")
+    g.add_argument("paths", nargs="+")
+    args = ap.parse_args()
+    if args.cmd == "render":
+        render(args.paths)
+    elif args.where == "cpu":
+        run_cpu(Path(args.out))
+    else:
+        run_gpu(args.shape, args.scheme, Path(args.out), args.contexts)
+
+
+if __name__ == "__main__":
+    main()
