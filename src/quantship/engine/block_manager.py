@@ -100,6 +100,13 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)  # holds nothing findable: reuse first
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and the hit counters (after a warm-up request, say)."""
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+        self.tokens_of = [None] * self.num_blocks
+        self.queries = self.hits = 0
+
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:
             del self.free[block]

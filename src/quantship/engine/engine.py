@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.texts: dict[str, TextTracker] = {}
         self.prompt_tokens = self.generation_tokens = 0
+        self.first_token_at: float | None = None  # monotonic time of the first token generated (cold start)
         self._pending: list[RequestOutput] = []  # outputs produced outside step (aborts, timeouts)
 
     def _default_blocks(self, config: EngineConfig, per_token: int) -> int:
@@ -85,6 +87,20 @@ class LLMEngine:
             free = memory.free_after_weights(config.memory_bytes, weight_bytes(self.model), device)
             budget = memory.CPU_KV_CACHE_BYTES if free is None else memory.kv_cache_budget(free, config.kv_cache_fraction)
         return memory.cache_blocks(budget, per_token, config.block_size, config.max_num_seqs, self.max_model_len)
+
+    def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 2) -> None:
+        """One short request through prefill and decode before serving, so lazy initialisations (kernel
+        compilation, cuBLAS handles, int4 decode copies) are not paid by a client's first token. Leaves
+        no trace: token and prefix-cache counters, the prefix cache and first_token_at are reset."""
+        new_tokens = max(1, min(new_tokens, self.max_model_len - 1))
+        length = max(1, min(prompt_tokens, self.max_model_len - new_tokens, self.blocks.num_blocks * self.blocks.block_size - 1))
+        ids = [3 + i % max(1, self.model.config.vocab_size - 3) for i in range(length)]
+        self.add_request("__warmup__", ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True), bounded=False)
+        while self.has_unfinished():
+            self.step()
+        self.prompt_tokens = self.generation_tokens = self.scheduler.num_preemptions = 0
+        self.first_token_at = None
+        self.blocks.reset_prefix_cache()
 
     # --- requests ---------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -172,6 +188,8 @@ class LLMEngine:
         if m.first_token is None:
             m.first_token = now
             self.prompt_tokens += len(seq.prompt_ids)
+            if self.first_token_at is None:
+                self.first_token_at = now
         m.token_times.append(now)
         m.generation_tokens += 1
         self.generation_tokens += 1
@@ -214,13 +232,17 @@ class LLMEngine:
 
 
 def load_engine(model: Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                config: EngineConfig | None = None) -> LLMEngine:
-    """Load a checkpoint (dense or compressed-tensors quantized, kept packed) and its tokenizer."""
+                config: EngineConfig | None = None, phase=None) -> LLMEngine:
+    """Load a checkpoint (dense or compressed-tensors quantized, kept packed) and its tokenizer.
+    phase(name): a context manager timing "load_weights" and "build_cache" (server/startup.py)."""
     from quantship.models.loader import Checkpoint
     from quantship.models.tokenizer import eos_ids, load_tokenizer
 
+    phase = phase or (lambda name: contextlib.nullcontext())
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    checkpoint = Checkpoint(model)
     tokenizer = load_tokenizer(Path(model))
-    loaded = checkpoint.load_model(dtype, device)
-    return LLMEngine(loaded, config, tokenizer, eos_ids(tokenizer, checkpoint.config.eos_token_id))
+    with phase("load_weights"):
+        checkpoint = Checkpoint(model)
+        loaded = checkpoint.load_model(dtype, device)
+    with phase("build_cache"):
+        return LLMEngine(loaded, config, tokenizer, eos_ids(tokenizer, checkpoint.config.eos_token_id))

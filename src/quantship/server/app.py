@@ -85,15 +85,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: ServerMetrics | None = None,
                served_model_name: str | None = None, faults: dict | None = None,
-               request_timeout_s: float | None = None, tracer=None) -> FastAPI:
+               request_timeout_s: float | None = None, tracer=None, startup_clock=None,
+               checkpoint_bytes: int = 0) -> FastAPI:
     """faults: {"latency_s": .., "error_rate": ..} for canary drills (see server/faults.py).
     request_timeout_s: a request still unfinished this long after arriving is stopped (finish_reason
     "timeout") and its blocks freed, so a stuck queue cannot hold clients forever.
-    tracer: a server.tracing.RequestTracer (None: no tracing, no OpenTelemetry import)."""
+    tracer: a server.tracing.RequestTracer (None: no tracing, no OpenTelemetry import).
+    startup_clock: a server.startup.StartupClock whose phases /metrics exports (serve passes it)."""
     engine = async_engine.engine
     tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
     model_name = served_model_name or async_engine.model_name
-    metrics = metrics or ServerMetrics(async_engine, model_name, max_model_len, engine.config.enable_prefix_caching)
+    metrics = metrics or ServerMetrics(async_engine, model_name, max_model_len, engine.config.enable_prefix_caching,
+                                       startup_clock, checkpoint_bytes)
     async_engine.add_listener(metrics.observe)
     app = FastAPI(title="quantship", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())

@@ -86,11 +86,38 @@ class EngineStateCollector(Collector):
             yield routed
 
 
+class StartupCollector(Collector):
+    """Cold start (server/startup.py): phase durations, time to ready, time to the first token, and the
+    checkpoint's size, so a dashboard can divide it by load_weights for the load rate."""
+
+    def __init__(self, clock, engine, model_name: str, checkpoint_bytes: int):
+        self.clock, self.engine, self.model_name, self.checkpoint_bytes = clock, engine, model_name, checkpoint_bytes
+
+    def collect(self):
+        phases = GaugeMetricFamily("quantship:startup_seconds", "Cold start, by phase (they add up to the time to "
+                                   "ready).", labels=["model_name", "phase"])
+        for phase, seconds in self.clock.phases.items():
+            phases.add_metric([self.model_name, phase], seconds)
+        yield phases
+        for name, doc, value in (
+                ("quantship:startup_to_ready_seconds", "Process start to ready.", self.clock.since_start(self.clock.ready_at)),
+                ("quantship:startup_to_first_token_seconds", "Process start to the first generated token.",
+                 self.clock.since_start(self.engine.first_token_at)),
+                ("quantship:checkpoint_bytes", "Size of the served checkpoint on disk.", self.checkpoint_bytes)):
+            if value is not None:
+                metric = GaugeMetricFamily(name, doc, labels=["model_name"])
+                metric.add_metric([self.model_name], value)
+                yield metric
+
+
 class ServerMetrics:
-    def __init__(self, async_engine, model_name: str, max_model_len: int, prefix_caching: bool = True):
+    def __init__(self, async_engine, model_name: str, max_model_len: int, prefix_caching: bool = True,
+                 startup_clock=None, checkpoint_bytes: int = 0):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStateCollector(async_engine, model_name, prefix_caching))
+        if startup_clock is not None:
+            self.registry.register(StartupCollector(startup_clock, async_engine.engine, model_name, checkpoint_bytes))
         r, names = self.registry, ["model_name"]
 
         def histogram(name: str, doc: str, buckets):

@@ -126,15 +126,18 @@ def serve(model: str | Path | None, opts: ServeOptions) -> int:
                                  "pip install vllm on a GPU machine, or use --engine native")
         exec_vllm(vllm_command(path, name, opts.host, opts.port, executable, opts.max_model_len, opts.api_key,
                                opts.max_num_seqs, opts.block_size, opts.prefix_caching, opts.max_queue))
+    from quantship.server.startup import StartupClock
+
+    clock = StartupClock()
     sock = _bind(opts.host, opts.port)
     try:
-        async_engine, app = _build(path, name, opts)
+        async_engine, app = _build(path, name, opts, clock)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         log.info("serving %s at http://%s:%d/v1 (/metrics, /health, /ready)%s", name, url_host, port,
                  "; API key required on /v1/*" if opts.api_key else "")
         try:
-            asyncio.run(_run(app, async_engine, sock, opts.drain_timeout_s))
+            asyncio.run(_run(app, async_engine, sock, opts.drain_timeout_s, clock))
         finally:
             if app.state.tracer is not None:
                 app.state.tracer.shutdown()  # export the last batch of spans
@@ -143,7 +146,7 @@ def serve(model: str | Path | None, opts: ServeOptions) -> int:
     return 0
 
 
-def _build(path: Path, name: str, opts: ServeOptions):
+def _build(path: Path, name: str, opts: ServeOptions, clock):
     import torch
 
     from quantship.engine.async_engine import AsyncEngine
@@ -163,9 +166,13 @@ def _build(path: Path, name: str, opts: ServeOptions):
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     log.info("loading %s on %s", path, device)
     try:
-        engine = load_engine(path, device, config=config)
+        engine = load_engine(path, device, config=config, phase=clock.phase)
     except CacheTooSmall as exc:
         raise QuantshipError(f"no room for a KV cache on {device}: {exc}") from None
+    with clock.phase("capture_cuda_graphs"):
+        graphs = engine.runner.capture_graphs(config.max_num_seqs)
+    with clock.phase("warmup"):
+        engine.warm_up()
     memory = weight_memory(engine.model)
     log.info("weights: %.1f MiB on %s%s", memory["weight_bytes"] / 2**20, device,
              f", of which {memory['packed_linears']} packed int Linears {memory['packed_linear_bytes'] / 2**20:.1f} MiB"
@@ -176,7 +183,21 @@ def _build(path: Path, name: str, opts: ServeOptions):
              s.num_blocks * s.block_size, s.kv_bytes_per_token,
              s.num_blocks * s.block_size * s.kv_bytes_per_token / 2**20, engine.max_model_len,
              config.max_num_seqs, config.max_waiting, "on" if config.enable_prefix_caching else "off")
+    checkpoint_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    load_s = clock.phases.get("load_weights", 0.0)
+    log.info("start-up: weights %.2fs (%.0f MB/s of checkpoint), cache %.2fs, %s, warm-up %.2fs",
+             load_s, checkpoint_bytes / max(load_s, 1e-9) / 1e6, clock.phases.get("build_cache", 0.0),
+             f"{graphs} CUDA graphs {clock.phases['capture_cuda_graphs']:.2f}s" if graphs else "no CUDA graphs",
+             clock.phases.get("warmup", 0.0))
     async_engine = AsyncEngine(engine, name)
+    first_token_logged = []
+
+    def log_first_token(_metrics) -> None:  # engine thread; once
+        if not first_token_logged and engine.first_token_at is not None:
+            first_token_logged.append(True)
+            log.info("cold start: first token %.2fs after the process started", clock.since_start(engine.first_token_at))
+
+    async_engine.add_listener(log_first_token)
     faults = None
     if opts.inject_latency_ms or opts.inject_error_rate:
         faults = {"latency_s": opts.inject_latency_ms / 1000, "error_rate": opts.inject_error_rate}
@@ -186,10 +207,11 @@ def _build(path: Path, name: str, opts: ServeOptions):
     if tracer is not None:
         log.info("tracing: OpenTelemetry spans to %s", opts.otlp_endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
     return async_engine, create_app(async_engine, api_key=opts.api_key, faults=faults,
-                                    request_timeout_s=opts.request_timeout_s, tracer=tracer)
+                                    request_timeout_s=opts.request_timeout_s, tracer=tracer, startup_clock=clock,
+                                    checkpoint_bytes=checkpoint_bytes)
 
 
-async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -> None:
+async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float, clock=None) -> None:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -226,9 +248,19 @@ async def _run(app, async_engine, sock: socket.socket, drain_timeout_s: float) -
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+
+    async def note_ready() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.005)
+        if server.started and clock is not None:
+            clock.mark_ready()
+            log.info("cold start: %s", clock.summary())
+
+    ready = loop.create_task(note_ready())
     try:
         await server.serve(sockets=[sock])
     finally:
+        ready.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         # Always join the engine thread: exiting while it is inside torch aborts the process.
