@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from quantship import __version__
 from quantship.deploy.model import ModelFacts
 from quantship.deploy.serving import ServingPlan
-from quantship.deploy.sizing import GIB, WARMUP_S, Startup
+from quantship.deploy.sizing import GIB, Startup
 
 PORT = 8000
 MODELS_MOUNT = "/models"
@@ -153,7 +153,9 @@ def workload_annotations(plan: Plan) -> dict[str, str]:
     """The numbers behind the startup budget, so `deploy validate` can recheck it from the YAML alone."""
     return {ANNOTATION + "model-size-bytes": str(plan.model.size_bytes),
             ANNOTATION + "load-bandwidth-bytes-per-second": str(int(plan.load_bytes_per_s)),
-            ANNOTATION + "warmup-seconds": str(WARMUP_S[plan.engine]),
+            ANNOTATION + "warmup-seconds": f"{plan.startup.fixed_s:g}",
+            **({ANNOTATION + "engine-load-bytes-per-second": str(int(plan.startup.load_rate_bytes_per_s))}
+               if plan.startup.load_rate_bytes_per_s else {}),
             ANNOTATION + "load-estimate-seconds": str(plan.startup.load_estimate_s),
             ANNOTATION + "checkpoint-format": plan.model.checkpoint_format,
             ANNOTATION + "version": __version__, **capacity_annotations(plan.serving)}

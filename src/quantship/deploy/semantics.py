@@ -43,7 +43,8 @@ class Checker:
         ann = ((doc.data.get("metadata") or {}).get("annotations") or {}) if doc else {}
         try:
             size, bandwidth, warmup = (float(ann[ANNOTATION + k]) for k in STARTUP_KEYS)
-            return load_estimate_s(size, bandwidth, warmup)
+            rate = ann.get(ANNOTATION + "engine-load-bytes-per-second")
+            return load_estimate_s(size, bandwidth, warmup, float(rate) if rate else None)
         except (KeyError, ValueError, ZeroDivisionError):
             return None
 
@@ -112,7 +113,8 @@ class Checker:
         if estimate is not None and budget < estimate:
             self.fail(doc, f"{where}.startupProbe.failureThreshold", f"startup budget {budget}s "
                       f"(initialDelaySeconds + failureThreshold × periodSeconds) is below the load estimate "
-                      f"{math.ceil(estimate)}s (model size / load bandwidth + warm-up, from the annotations)")
+                      f"{math.ceil(estimate)}s (model size / load bandwidth + size / engine load rate + warm-up, from the "
+                      "annotations)")
         return budget
 
     def check_pod_refs(self, doc: Doc, pod: dict) -> None:
