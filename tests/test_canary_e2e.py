@@ -1,6 +1,8 @@
 """Ship's end-to-end proof: a real Prometheus scrapes real `quantship serve` processes (a baseline,
 a healthy canary, a bad canary made slower and failing), `quantship bench` drives their load, and
-`quantship gate canary` promotes the healthy one and rolls back each bad one for its own fault."""
+`quantship gate canary` promotes the healthy one and rolls back each bad one for its own fault.
+The Grafana dashboard `quantship deploy` writes is checked against the same Prometheus: every
+panel's query parses (promtool) and returns data."""
 
 import os
 import shutil
@@ -9,11 +11,14 @@ import subprocess
 import sys
 import time
 
+import math
+
 import httpx
 import pytest
 import yaml
 
 from quantship.cli import main
+from quantship.deploy.dashboard import HASH, as_rules, dashboard_queries
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs prometheus (Debian package prometheus)")
@@ -86,7 +91,9 @@ def fleet(tmp_path_factory):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "quantship.cli", "serve", "tiny", "--port", str(port), "--max-model-len", "512",
                  *flags], stdout=log, stderr=subprocess.STDOUT, env=env))
-        jobs = [{"job_name": name, "scrape_interval": "1s", "static_configs": [{"targets": [url.split("//")[1]]}]}
+        # Each server stands for a revision of an Argo rollout: the pod label Prometheus keeps in a cluster.
+        jobs = [{"job_name": name, "scrape_interval": "1s",
+                 "static_configs": [{"targets": [url.split("//")[1]], "labels": {HASH: name}}]}
                 for name, url in urls.items()]
         (work / "prometheus.yml").write_text(yaml.safe_dump({"scrape_configs": jobs}))
         prom_url = f"http://127.0.0.1:{free_port()}"
@@ -142,3 +149,41 @@ def metric_count(url: str) -> float:
         if line.startswith("vllm:time_to_first_token_seconds_count"):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_every_dashboard_panel_parses_and_returns_data(fleet, tmp_path):
+    urls, prom_url, work = fleet
+    idle = [name for name, url in urls.items() if metric_count(url) == 0]  # run alone: make some load first
+    benches = [subprocess.Popen([sys.executable, "-m", "quantship.cli", "bench", urls[name], "--profile", "concurrent",
+                                 "--concurrency", "2", "--requests", "8", "--input-len", "32", "--output-len", "8",
+                                 "-o", str(work / f"dash-{name}")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for name in idle]
+    assert [b.wait(timeout=600) for b in benches] == [0] * len(idle)
+    assert main(["deploy", "tiny", "-o", str(tmp_path / "k8s"), "--gpus", "0", "--canary"]) == 0
+    board = yaml.safe_load((tmp_path / "k8s" / "monitoring" / "grafana-dashboard.yaml").read_text())
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    queries = dashboard_queries(board)
+    titles = {title for title, _ in queries}
+    for wanted in ("Time to first token", "Time per output token", "Inter-token latency", "End-to-end request latency",
+                   "Requests waiting and running", "KV-cache usage", "Tokens per second",
+                   "Error rate (5xx share of /v1 answers)", "Canary vs stable: p99 time to first token",
+                   "Canary vs stable: error rate", "Cold start by phase"):
+        assert wanted in titles
+    rules = tmp_path / "panels.yaml"
+    rules.write_text(yaml.safe_dump(as_rules(queries)))
+    check = subprocess.run([shutil.which("promtool"), "check", "rules", str(rules)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    def values(expr: str) -> list[tuple[dict, float]]:
+        body = httpx.get(f"{prom_url}/api/v1/query", params={"query": expr.replace("$__rate_interval", "5m")},
+                         timeout=10).json()
+        assert body["status"] == "success", (expr, body)
+        return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
+
+    def all_have_data() -> bool:
+        return all(any(math.isfinite(v) for _, v in values(expr)) for _, expr in queries)
+
+    wait_until(all_have_data, "every dashboard panel to return data", timeout=60)
+    by_revision = values(dict((t, e) for t, e in queries)["Canary vs stable: error rate"])
+    errors = {m[HASH]: v for m, v in by_revision}
+    assert set(errors) == set(urls) and errors["canary_errors"] > 0 and errors["baseline"] == 0

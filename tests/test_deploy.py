@@ -157,7 +157,7 @@ def _add_unknown_kind(out: Path) -> None:
 
 
 BROKEN = {
-    "probe typo": (lambda o: _edit(o / "base" / "deployment.yaml", "failureThreshold: 5", "failureTreshold: 5"),
+    "probe typo": (lambda o: _edit(o / "base" / "deployment.yaml", "failureThreshold: 4", "failureTreshold: 4"),
                    "base/deployment.yaml: Deployment/tiny: spec.template.spec.containers[0].startupProbe."
                    "failureTreshold: unknown field"),
     "requests != limits": (lambda o: _edit(o / "base" / "deployment.yaml", "memory: 3Gi", "memory: 4Gi", 2) or
@@ -168,9 +168,9 @@ BROKEN = {
                                "base/hpa.yaml: HorizontalPodAutoscaler/tiny: spec.metrics[0].pods.metric.name: "
                                "no prometheus-adapter rule serves 'vllm_num_requests_waiting'"),
     "unknown kind": (_add_unknown_kind, "base/widget.yaml: Widget/w: kind: unknown kind Widget"),
-    "startup budget": (lambda o: _edit(o / "base" / "deployment.yaml", "failureThreshold: 5", "failureThreshold: 2"),
+    "startup budget": (lambda o: _edit(o / "base" / "deployment.yaml", "failureThreshold: 4", "failureThreshold: 2"),
                        "startupProbe.failureThreshold: startup budget 20s (initialDelaySeconds + failureThreshold "
-                       "× periodSeconds) is below the load estimate 31s"),
+                       "× periodSeconds) is below the load estimate 23s"),
     "service selects nothing": (lambda o: _edit(o / "base" / "service.yaml", "selector:\n    app.kubernetes.io/name: tiny",
                                                 "selector:\n    app.kubernetes.io/name: tinny"),
                                 "base/service.yaml: Service/tiny: spec.selector: selects no pods"),
@@ -343,6 +343,21 @@ def test_promtool_checks_and_tests_the_rules(good_tiny, tmp_path):
     tests.write_text(ALERT_TESTS.format(rules=json.dumps(str(rules))))
     run = subprocess.run([PROMTOOL, "test", "rules", str(tests)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@needs_promtool
+def test_validate_parses_every_dashboard_query(good_tiny, tmp_path):
+    """The Grafana dashboard ConfigMap (label grafana_dashboard) has its panels' PromQL checked by promtool;
+    a broken one is named. (test_canary_e2e runs every query against a real Prometheus.)"""
+    board = yaml.safe_load((good_tiny / "monitoring" / "grafana-dashboard.yaml").read_text())
+    assert board["kind"] == "ConfigMap" and board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    report = validate_dir(good_tiny)
+    assert any("dashboard queries passed promtool check rules" in n for n in report.notes)
+    broken = tmp_path / "k8s"
+    shutil.copytree(good_tiny, broken)
+    _edit(broken / "monitoring" / "grafana-dashboard.yaml", "histogram_quantile(0.5,", "histogram_quantile(0.5,,")
+    assert any("ConfigMap/tiny-grafana-dashboard: a panel's PromQL does not parse" in p
+               for p in validate_dir(broken).problems)
 
 
 # --- SHA256SUMS and versions ---------------------------------------------------------------------------------

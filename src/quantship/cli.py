@@ -358,6 +358,7 @@ def cmd_deploy(args) -> int:
     opts = DeployOptions(engine=args.engine, gpu_type=args.gpu_type, gpus=args.gpus, replicas=args.replicas,
                          canary=args.canary, autoscaler=args.autoscaler, image=args.image,
                          max_model_len=args.max_model_len, load_mbps=args.load_bandwidth,
+                         engine_load_mbps=args.engine_load_rate,
                          storage_class=args.storage_class, prometheus_url=args.prometheus_url,
                          queue_target=args.queue_target, cpu=args.cpu, memory=args.memory, size_gb=args.size_gb,
                          name=args.name, rules=args.rules, ttft_slo_s=args.ttft_slo, overwrite=args.overwrite)
@@ -754,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context to serve (default: the model's, at most 32768)")
     p.add_argument("--load-bandwidth", type=POSITIVE_FLOAT, default=250.0, metavar="MB/S",
                    help="read rate of the model volume, sizes the startup probe (default 250)")
+    p.add_argument("--engine-load-rate", type=POSITIVE_FLOAT, metavar="MB/S",
+                   help="bytes of checkpoint per second the server loads once read (default: measured, "
+                        "deploy/startup.yaml; a server logs its own at start-up)")
     p.add_argument("--size-gb", type=POSITIVE_FLOAT, metavar="GB",
                    help="model size when MODEL has no weights (default: estimated)")
     p.add_argument("--storage-class", help="storageClassName of the model cache PVC (must allow ReadOnlyMany)")

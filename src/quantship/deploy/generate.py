@@ -3,7 +3,8 @@
     DIR/base/            kustomization + ServiceAccount, ConfigMap, PVC, Deployment, Service, PDB,
                          and the HPA or KEDA ScaledObject          (kubectl apply -k DIR/base)
     DIR/canary/          with --canary: Rollout + AnalysisTemplate over ../base (kubectl apply -k DIR/canary)
-    DIR/monitoring/      Prometheus recording/alert rules; the prometheus-adapter rule (HPA only)
+    DIR/monitoring/      Prometheus recording/alert rules; the prometheus-adapter rule (HPA only); a Grafana
+                         dashboard ConfigMap for the Grafana sidecar
     DIR/Dockerfile       the server image for --engine native
     DIR/SHA256SUMS       every weight and config file of the model
     DIR/quantship-manifest.json   quantship's version, the checkpoint's format and writer, the plan
@@ -26,7 +27,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from quantship import __version__
-from quantship.deploy import autoscaling, manifests, monitoring, rollout, sizing
+from quantship.deploy import autoscaling, dashboard, manifests, monitoring, rollout, sizing
 from quantship.deploy.serving import serving_plan
 from quantship.deploy.canary import load_rules
 from quantship.deploy.checksums import MANIFEST_FILE, SUMS_FILE, sums_text
@@ -48,6 +49,7 @@ class DeployOptions:
     image: str | None = None
     max_model_len: int | None = None
     load_mbps: float = sizing.DEFAULT_LOAD_MBPS
+    engine_load_mbps: float | None = None  # default: the measured rate of deploy/startup.yaml
     storage_class: str | None = None
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     queue_target: int = 5
@@ -129,8 +131,8 @@ def check_strings(opts: DeployOptions) -> None:
 
 def make_plan(facts: ModelFacts, opts: DeployOptions, model: str | Path = "tiny") -> manifests.Plan:
     check_strings(opts)
-    if opts.engine not in sizing.WARMUP_S:
-        raise QuantshipError(f"--engine must be one of {', '.join(sizing.WARMUP_S)}")
+    if opts.engine not in sizing.ENGINES:
+        raise QuantshipError(f"--engine must be one of {', '.join(sizing.ENGINES)}")
     if opts.autoscaler not in ("hpa", "keda"):
         raise QuantshipError("--autoscaler must be hpa or keda")
     if opts.queue_target < 1 or not 0 < opts.ttft_slo_s < math.inf:
@@ -146,7 +148,8 @@ def make_plan(facts: ModelFacts, opts: DeployOptions, model: str | Path = "tiny"
     return manifests.Plan(
         model=facts, engine=opts.engine, gpus=gpus, gpu_type=opts.gpu_type,
         resources=sizing.pod_resources(facts.size_bytes, gpus, opts.cpu, opts.memory),
-        startup=sizing.startup(facts.size_bytes, opts.load_mbps, opts.engine),
+        startup=sizing.startup(facts.size_bytes, opts.load_mbps, opts.engine, "cuda" if gpus else "cpu",
+                               opts.engine_load_mbps),
         load_bytes_per_s=opts.load_mbps * 1e6, replicas=sizing.parse_replicas(opts.replicas),
         autoscaler=opts.autoscaler, canary=opts.canary, image=image,
         max_model_len=max_model_len, queue_target=opts.queue_target, prometheus_url=opts.prometheus_url,
@@ -173,6 +176,8 @@ def build(plan: manifests.Plan, opts: DeployOptions, out: str = "DIR") -> dict[s
         files["canary/analysistemplate.yaml"] = dump(
             rollout.analysis_template(plan, rules, opts.failure_limit, opts.analysis_interval), head)
     files["monitoring/prometheus-rules.yaml"] = dump(monitoring.rules_file(plan), head)
+    files["monitoring/grafana-dashboard.yaml"] = dump(
+        dashboard.config_map(plan), head + "; apply it where Grafana's dashboard sidecar looks (label grafana_dashboard)")
     if plan.autoscaler == "hpa":
         files["monitoring/prometheus-adapter-rules.yaml"] = dump(
             autoscaling.adapter_rules(plan), head + "; merge its rule into your prometheus-adapter configuration")
@@ -257,6 +262,7 @@ def summary_lines(result: dict) -> list[str]:
     gpus = f"{p['gpus']} x {p['gpu_type']}" if p["gpus"] else "no GPU"
     r = p["resources"]
     out = result["out"]
+    rate = f" + at {s['load_rate_bytes_per_s'] / 1e6:.0f} MB/s loaded" if s.get("load_rate_bytes_per_s") else ""
     lines = [
         f"wrote {out} ({len(result['files'])} files) for {m['name']}: {m['architecture']}, "
         f"{_human(m['parameters'], 'parameters')}, {_human(m['size_bytes'], 'B')} ({m['size_source']}), "
@@ -264,8 +270,8 @@ def summary_lines(result: dict) -> list[str]:
         f"pod: {gpus}, cpu {r['cpu']}, memory {r['memory']} (requests = limits: Guaranteed QoS); "
         f"engine {p['engine']}, image {p['image']}",
         f"startup: load estimate {s['load_estimate_s']}s ({_human(m['size_bytes'], 'B')} at "
-        f"{p['load_bandwidth_mb_per_s']:g} MB/s + warm-up) -> startupProbe {s['failure_threshold']} x {s['period_s']}s "
-        f"= {s['budget_s']}s",
+        f"{p['load_bandwidth_mb_per_s']:g} MB/s read{rate} + {s['fixed_s']:g}s start-up) -> startupProbe "
+        f"{s['failure_threshold']} x {s['period_s']}s = {s['budget_s']}s",
         f"autoscaling: {p['autoscaler']} on vllm:num_requests_waiting (target {p['queue_target']} per replica), "
         f"replicas {p['replicas'][0]}..{p['replicas'][1]}, scale-up at most doubling per cold start",
     ]
@@ -281,6 +287,9 @@ def summary_lines(result: dict) -> list[str]:
     if p["canary"]:
         lines.append(f"canary: Rollout over the Deployment, 10% -> 50% -> 100% with an AnalysisTemplate; "
                      f"kubectl apply -k {out}/canary")
+    lines.append(f"dashboard: {out}/monitoring/grafana-dashboard.yaml, a ConfigMap with label grafana_dashboard=1 "
+                 "for Grafana's sidecar (latency percentiles, queue, KV cache, tokens/s, errors, canary vs stable, "
+                 "cold start)")
     lines.append(f"validated offline; next: kubectl apply -k {out}/base; later: quantship deploy verify "
                  f"{m['source']} --sums {out}")
     return lines

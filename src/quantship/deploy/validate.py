@@ -5,7 +5,8 @@
 - Custom kinds (Argo Rollout and AnalysisTemplate, KEDA ScaledObject, Kustomization) against the
   JSON schemas in schemas/. A kind neither knows is an error, not a warning.
 - Each kustomization is built (kustomize.py) and its objects checked together (semantics.py).
-- Prometheus rule files go through `promtool check rules` when promtool is installed.
+- Prometheus rule files go through `promtool check rules` when promtool is installed, and so does every
+  PromQL query of a Grafana dashboard ConfigMap (label grafana_dashboard).
 Every message names the file, the object and the field path.
 """
 
@@ -179,6 +180,33 @@ def _check_rule_files(paths: list[Path], loader: _Loader, report: Report) -> Non
         report.notes.append(f"{len(paths)} Prometheus rule file(s) passed promtool check rules")
 
 
+def _check_dashboards(docs: list[Doc], report: Report) -> None:
+    """Every PromQL query of a Grafana dashboard ConfigMap through `promtool check rules`."""
+    import tempfile
+
+    from quantship.deploy.dashboard import SIDECAR_LABEL, as_rules, dashboard_queries
+
+    promtool = shutil.which("promtool")
+    boards = [d for d in docs if d.kind == "ConfigMap" and SIDECAR_LABEL in ((d.data.get("metadata") or {}).get("labels") or {})]
+    if not boards or promtool is None:
+        return
+    for doc in boards:
+        try:
+            queries = dashboard_queries(doc.data)
+        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as exc:
+            report.add(f"{doc.where()}: {doc.ident}: data: not Grafana dashboard JSON ({exc})")
+            continue
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+            f.write(yaml.safe_dump(as_rules(queries)))
+            f.flush()
+            proc = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            report.add(f"{doc.where()}: {doc.ident}: a panel's PromQL does not parse: "
+                       f"{' '.join((proc.stderr or proc.stdout).split())}")
+        else:
+            report.notes.append(f"{doc.ident}: {len(queries)} dashboard queries passed promtool check rules")
+
+
 def validate_dir(directory: str | Path) -> Report:
     from quantship.deploy.semantics import check_build
 
@@ -212,4 +240,5 @@ def validate_dir(directory: str | Path) -> Report:
         for problem in check_build(objects, everything):
             report.add(problem)
     _check_rule_files(sorted(set(loader.rule_files)), loader, report)
+    _check_dashboards(everything, report)
     return report
