@@ -8,6 +8,7 @@ On the GPU machine (random weights of the real configs; one process per shape ke
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --out $OUT
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --scheme W4A16 --out $OUT
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape v2-lite --out $OUT
+(--contexts 4096,8192 then --contexts 32768 splits a shape over two commands, each its own JSON.)
 Then here: .venv/bin/python benchmarks/capacity_check.py render benchmarks/results/capacity_check_*.json
 
 On the GPU each trial builds an engine whose cache holds N sequences of L tokens (num_blocks =
@@ -203,8 +204,9 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
 
     props = torch.cuda.get_device_properties(0)
     free_at_start, total = torch.cuda.mem_get_info()
-    name = f"{shape}" + (f"-{scheme.lower()}" if scheme else "")
+    name = f"{shape}" + (f"-{scheme.lower()}" if scheme else "") + (f"-{'-'.join(map(str, contexts))}" if contexts else "")
     path = out / f"capacity_check_{name}.json"
+    out.mkdir(parents=True, exist_ok=True)
     model, config = gpu_model(shape, scheme)
     weights_loaded = torch.cuda.memory_allocated()
     with tempfile.TemporaryDirectory() as d:

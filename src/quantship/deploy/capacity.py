@@ -174,7 +174,7 @@ def plan(req: Request) -> Plan:
     if roof is not None:
         plan_.roofline = roof.describe()
     first = plan_.rows[0]
-    batch = first.optimal_batch or min(max(first.seqs_engine, 1), req.batch_cap)
+    batch = first.optimal_batch or (min(first.seqs_engine, req.batch_cap) if first.seqs_engine else None)
     plan_.recommended = {"kv_cache_fraction": fraction, "max_num_seqs": batch, "context": first.context,
                          "batch_from": "roofline optimum" if first.optimal_batch else "what the cache holds"}
     return plan_

@@ -62,7 +62,11 @@ def lines(plan: Plan) -> list[str]:
     elif plan.device == "cuda":
         out.append("roofline   needs the GPU's bandwidth: give --gpu NAME from the table")
     rec = plan.recommended
-    out.append(f"serve with --kv-cache-fraction {rec['kv_cache_fraction']:.2f} --max-num-seqs {rec['max_num_seqs']} "
-               f"({rec['batch_from']} at {rec['context']} tokens)")
+    if rec["max_num_seqs"] is None:
+        out.append(f"nothing to serve at {rec['context']} tokens: quantize the model, plan a shorter context or a "
+                   "larger GPU")
+    else:
+        out.append(f"serve with --kv-cache-fraction {rec['kv_cache_fraction']:.2f} --max-num-seqs {rec['max_num_seqs']} "
+                   f"({rec['batch_from']} at {rec['context']} tokens)")
     out += [f"warning: {w}" for w in plan.warnings]
     return out
