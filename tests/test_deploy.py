@@ -116,7 +116,7 @@ def test_model_facts_and_sizing(v3, tmp_path):
     assert serving_plan(str(v3), "NVIDIA-H200", None, "vllm", 32768, 128).gpus == 4
     bf16 = describe(tmp_path / "deepseek-v3-bf16")
     assert read_model(bf16).size_bytes > 1.3e12
-    with pytest.raises(QuantshipError, match="does not fit 8 NVIDIA-H100-80GB-HBM3"):
+    with pytest.raises(QuantshipError, match="does not fit 8 x NVIDIA-H100-80GB-HBM3"):
         serving_plan(str(bf16), "NVIDIA-H100-80GB-HBM3", None, "vllm", 32768, 128)
     s = startup(int(100e9), 250.0, "vllm")  # 400 s to read + 300 s warm-up, times 1.5
     assert (s.load_estimate_s, s.budget_s, s.failure_threshold) == (700, 1050, 105)

@@ -145,8 +145,9 @@ def plan(req: Request) -> Plan:
         raise QuantshipError(f"{gpu.name} is all taken by the driver's reservation and the CUDA context "
                              f"({(mem['driver_reserved_bytes'] + mem['context_bytes']) / 1e9:.2f} GB)")
     if mem["free_bytes"] is not None and mem["free_bytes"] <= 0:
-        raise QuantshipError(f"{served.weight_bytes / 1e9:.3g} GB of weights ({served.description}) do not fit in "
-                             f"the {mem['usable_bytes'] / 1e9:.3g} GB a process gets of {gpu.name}"
+        share = f" ({_gb(served.weight_bytes)} over {req.gpus} GPUs)" if req.gpus > 1 else ""
+        raise QuantshipError(f"{_gb(per_gpu_weights)} of weights{share}, {served.description}, do not fit in the "
+                             f"{_gb(mem['usable_bytes'])} a process gets of {gpu.name}"
                              + ("; quantize the model or add GPUs" if cuda else ""))
     overheads = _Overheads(config, dtype, req, served.decode_copy_bytes if cuda else 0, gpu, cuda)
     fraction = req.kv_cache_fraction or _recommend_fraction(mem["free_bytes"], overheads, contexts, req, per_token)
@@ -185,6 +186,10 @@ def _weights(path: Path, stamp: int, scheme: str | None, dtype: torch.dtype) -> 
     from quantship.models.config import load_config
 
     return weight_memory(load_config(path), scheme, dtype, path)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.0f} GB" if n >= 100e9 else f"{n / 1e9:.3g} GB"
 
 
 def _schemes(config: ModelConfig) -> list[str | None]:

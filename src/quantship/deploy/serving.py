@@ -78,9 +78,10 @@ def serving_plan(model: str, gpu_type: str, gpus: int | None, engine: str, max_m
         if p.row(max_model_len).seqs_engine >= 1:
             return _from(p, g, engine, contexts, model, gpu.name, "")
         last = QuantshipError(f"not one sequence of {max_model_len} tokens fits next to the weights on {g} x {gpu.name}")
-    tried = f"{candidates[-1]} {gpu.product}" if candidates else gpu.product
-    hint = "; --engine vllm spreads it over up to 8" if engine == "native" else ""
-    raise QuantshipError(f"the model does not fit {tried} GPU(s) ({last}); quantize the model (quantship quantize), "
+    tried = f"{candidates[-1]} x {gpu.product}"
+    hint = "; --engine vllm spreads it over up to 8 GPUs" if engine == "native" else ""
+    reason = str(last).split("; quantize")[0]  # the planner's own advice is the same as below
+    raise QuantshipError(f"the model does not fit {tried}: {reason}; quantize the model (quantship quantize), "
                          f"lower --max-model-len or pick a larger --gpu-type{hint}")
 
 
