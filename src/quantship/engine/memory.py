@@ -69,11 +69,15 @@ def sequences_held(num_blocks: int, block_size: int, context: int) -> int:
 
 
 def decode_kernel(config: ModelConfig, cuda: bool) -> bool:
-    """Whether decode attention reads the paged cache in place (kernels/paged_attention.py)."""
+    """Whether decode attention reads the paged cache in place (kernels/paged_attention.py: MLA's latent
+    kernel, or the K/V one)."""
     from quantship.kernels import paged_attention
 
-    return cuda and not config.is_mla and paged_attention.supports(
-        config.llama_head_dim, config.num_attention_heads, config.num_key_value_heads)
+    if not cuda:
+        return False
+    if config.is_mla:
+        return paged_attention.mla_supports(config.kv_lora_rank, config.qk_rope_head_dim)
+    return paged_attention.supports(config.llama_head_dim, config.num_attention_heads, config.num_key_value_heads)
 
 
 def _mlp_numbers_per_token(config: ModelConfig) -> int:
@@ -100,11 +104,18 @@ def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, qu
     index = seqs * keys * (INT64 + BOOL * queries) + padded * (2 * INT64 + BOOL)  # key_slots, mask, query index
     bias = padded * keys * b  # the boolean mask as the attention kernel's additive bias
     if c.is_mla:
+        from quantship.models.deepseek import SCORES_BUDGET
+
         latent = c.kv_lora_rank + c.qk_rope_head_dim
-        attention = (tokens * c.num_attention_heads * (c.qk_head_dim + latent) * b  # q, absorbed q
-                     + c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * b  # kv_b_proj
-                     + padded * c.num_attention_heads * (latent + c.kv_lora_rank) * b  # padded q, output
-                     + seqs * keys * latent * b + bias)  # the gathered latent context
+        heads = c.num_attention_heads
+        attention = (tokens * heads * (c.qk_head_dim + latent) * b  # q, absorbed q
+                     + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * b)  # kv_b_proj, dequantized
+        if decode_kernel(c, cuda) and queries == 1:
+            attention += tokens * heads * c.kv_lora_rank * FLOAT32
+        else:  # the gathered latent, and SDPA's scores whole (heads chunked within SCORES_BUDGET), twice
+            chunk = min(heads, max(1, SCORES_BUDGET // max(1, padded * keys)))
+            attention += (padded * heads * (latent + c.kv_lora_rank) * b + seqs * keys * latent * b + bias
+                          + 2 * chunk * padded * keys * FLOAT32)
     elif decode_kernel(c, cuda) and queries == 1:
         attention = tokens * c.num_attention_heads * c.llama_head_dim * (b + FLOAT32)
     else:
@@ -132,11 +143,12 @@ def peak_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batch
 
 def graph_pool_bytes(config: ModelConfig, dtype: torch.dtype, max_seqs: int, max_len: int, block_size: int) -> int:
     """CUDA graphs of decode steps (engine/cuda_graphs.py), every bucket captured: each graph keeps its
-    static inputs and logits; the temporaries of the largest one are shared through the pool."""
+    staged input rows [size, 2 + blocks] and its logits; the temporaries of the largest one (the batch
+    it derives on the device and the step) are shared through the pool."""
     from quantship.engine.cuda_graphs import buckets
 
     seq_buckets, key_buckets = buckets(max_seqs, 1), buckets(max_len, max(256, block_size))
-    static = sum(size * (key_len * (INT64 + BOOL) + 6 * INT64 + config.vocab_size * dtype.itemsize)
+    static = sum(size * ((2 + -(-key_len // block_size)) * INT64 + config.vocab_size * dtype.itemsize)
                  for size in seq_buckets for key_len in key_buckets)
     largest = step_activation_bytes(config, dtype, seq_buckets[-1], 1, key_buckets[-1], cuda=True)
     return static + largest
