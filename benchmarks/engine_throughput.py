@@ -91,7 +91,7 @@ def quantized_copy(model, bits: int = 4, group: int = 128):
     from quantship.models.causal_lm import CausalLM
     from quantship.models.quantized import quant_linear
     from quantship.quant.rtn import rtn_quantize
-    from quantship.quant.scheme import WeightQuant
+    from quantship.quantized_tensor import WeightQuant
 
     with torch.device("meta"):
         copy = CausalLM(model.config)

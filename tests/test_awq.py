@@ -14,7 +14,7 @@ from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant.awq import apply_scales, awq_layer, balance_groups
 from quantship.quant.rtn import rtn_quantize
-from quantship.quant.scheme import WeightQuant
+from quantship.quantized_tensor import WeightQuant
 
 W4G128 = WeightQuant(4, "int", True, "group", 128)
 

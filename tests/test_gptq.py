@@ -3,7 +3,7 @@ import torch
 
 from quantship.quant.gptq import gptq_quantize
 from quantship.quant.rtn import rtn_quantize
-from quantship.quant.scheme import WeightQuant
+from quantship.quantized_tensor import WeightQuant
 
 OUT, IN = 256, 512
 W4_SYM = WeightQuant(4, "int", True, "group", 128)

@@ -89,7 +89,7 @@ def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
     from quantship.models.loader import load_model
     from quantship.models.quantized import quant_linear
     from quantship.quant.rtn import rtn_quantize
-    from quantship.quant.scheme import WeightQuant
+    from quantship.quantized_tensor import WeightQuant
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(TINY_DIR, torch.float32, device=device)

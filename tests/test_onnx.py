@@ -235,7 +235,7 @@ def test_int4_from_full_precision_deepseek(tmp_path, tiny_fp32):
     """RTN int4 of the bundled V3 model (experts included) in MatMulNBits: close to fp32, bit-exact to RTN."""
     from quantship.models.loader import Checkpoint
     from quantship.quant.rtn import rtn_quantize
-    from quantship.quant.scheme import WeightQuant
+    from quantship.quantized_tensor import WeightQuant
 
     result = export_onnx(TINY_DIR, tmp_path / "int4", OnnxOptions(type="int4"))
     assert result.linears == {"int4 RTN group 128": 232}

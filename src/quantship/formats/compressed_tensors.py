@@ -1,8 +1,14 @@
-"""Write compressed-tensors checkpoints, the format llm-compressor writes and vLLM loads.
+"""compressed-tensors checkpoints, the format llm-compressor writes and vLLM loads, both ways.
 
 Config classes and int packing come from the `compressed-tensors` package itself, so what we
 write is what its readers expect: `pack-quantized` (W4A16*, W8A16), `int-quantized` (W8A8) and
-`float-quantized` (FP8_DYNAMIC, FP8_BLOCK), or `mixed-precision` when a plan mixes them.
+`float-quantized` (FP8_DYNAMIC, FP8_BLOCK), or `mixed-precision` when a plan mixes them. Reading
+turns a Linear's stored tensors back into a QuantizedTensor (models/quantized.py runs it).
+
+This format is the "checkpoint" the data flow starts from and the quantizer ends in (checkpoint →
+models.loader → quant.pipeline → ...), so unlike the rest of formats/ it comes before models/: of
+the project it imports only plain data (quantized_tensor.py, errors, files), and the loader reads and
+the pipeline writes through it.
 """
 
 from __future__ import annotations
@@ -14,15 +20,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quantship.errors import QuantshipError
 from quantship.files import file_mode
-from quantship.quant.rtn import QuantizedTensor
-from quantship.quant.scheme import Scheme
+from quantship.quantized_tensor import ActivationQuant, QuantizedTensor, WeightQuant, block_grid, matches_target
 
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "mixed-precision")
 SHARD_BYTES = 2 * 2**30  # a shard never grows past this
 FLUSH_BYTES = 64 * 2**20  # at a layer boundary, pending tensors beyond this go to disk (bounds memory)
 
 
-def quantization_args(scheme: Scheme) -> dict:
+def quantization_args(scheme) -> dict:
+    """compressed-tensors' QuantizationArgs of a scheme (quant/scheme.py's Scheme: weights, input_activations)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     w = scheme.weights
@@ -38,8 +46,8 @@ def quantization_args(scheme: Scheme) -> dict:
     return {"weights": weights, "input_activations": acts}
 
 
-def quantization_config(groups: list[tuple[Scheme, list[str]]], ignore: list[str]) -> dict:
-    """groups: (scheme, targets) pairs; targets are "Linear" or module names / `re:` patterns."""
+def quantization_config(groups: list[tuple], ignore: list[str]) -> dict:
+    """groups: (Scheme, targets) pairs; targets are "Linear" or module names / `re:` patterns."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     formats = {scheme.format for scheme, _ in groups}
@@ -58,7 +66,7 @@ def quantization_config(groups: list[tuple[Scheme, list[str]]], ignore: list[str
     return dumped
 
 
-def pack_tensors(q: QuantizedTensor, scheme: Scheme, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def pack_tensors(q: QuantizedTensor, scheme, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A quantized Linear's tensors under compressed-tensors' names (relative to the module)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -124,3 +132,76 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return len(self.shards)
+
+
+class CompressedTensorsReader:
+    """A checkpoint's `quantization_config`, checked: finds the config group of a module and turns the
+    module's stored tensors back into a QuantizedTensor."""
+
+    def __init__(self, quantization_config: dict, source):
+        self.config = quantization_config
+        fmt = quantization_config.get("format")
+        if quantization_config.get("quant_method") != "compressed-tensors":
+            raise QuantshipError(f"unsupported quant_method {quantization_config.get('quant_method')!r}", source)
+        if fmt not in FORMATS:
+            raise QuantshipError(f"unsupported compressed-tensors format {fmt!r}", source)
+        self.groups = list((quantization_config.get("config_groups") or {}).values())
+        self.source = source
+
+    def scheme_for(self, module_name: str) -> dict | None:
+        """The first config group that targets the module and quantizes weights (None: kept as it is)."""
+        for group in self.groups:
+            if any(matches_target(module_name, t) for t in group.get("targets", [])) and group.get("weights"):
+                return group
+        return None
+
+    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor]
+                    ) -> tuple[QuantizedTensor, ActivationQuant | None]:
+        """One Linear's weight and how its inputs are quantized (None: weight-only). `tensors` are the
+        module's own (`weight_scale`, `weight_packed`, ...); the weight's are consumed, a bias is left."""
+        group = self.scheme_for(module_name)
+        if group is None:
+            raise QuantshipError(f"{module_name} holds quantized tensors but no config group targets it", self.source)
+        args = _weight_quant(group["weights"])
+        acts = group.get("input_activations")
+        activations = ActivationQuant(type=acts.get("type", "int"), group_size=acts.get("group_size")) if acts else None
+        if args.strategy == "block":
+            return self._read_blocks(module_name, tensors, args), activations
+        return unpack(tensors, args), activations
+
+    def _read_blocks(self, module_name: str, tensors: dict[str, torch.Tensor], args: WeightQuant) -> QuantizedTensor:
+        values, scale = tensors.pop("weight"), tensors.pop("weight_scale")
+        expected = block_grid(tuple(values.shape), args.block)
+        if values.dtype != torch.float8_e4m3fn or tuple(scale.shape) != expected:
+            raise QuantshipError(f"{module_name}: FP8 block weights need float8_e4m3fn values and scales of "
+                                 f"shape {list(expected)}, got {values.dtype} and {list(scale.shape)}", self.source)
+        return QuantizedTensor(values, scale, None, args)
+
+
+def _weight_quant(weights: dict) -> WeightQuant:
+    strategy = weights.get("strategy") or "tensor"
+    block = None
+    if strategy == "block":
+        structure = weights.get("block_structure") or [128, 128]
+        block = (int(structure[0]), int(structure[1]))
+    return WeightQuant(int(weights.get("num_bits", 8)), weights.get("type", "int"), bool(weights.get("symmetric", True)),
+                       strategy, weights.get("group_size"), weights.get("actorder"), block)
+
+
+def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant) -> QuantizedTensor:
+    """The inverse of pack_tensors: a Linear's stored tensors (names relative to it, consumed) as integers
+    (int8 holding intN) or float8 values, with their scales, zero points and g_idx."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    scale = tensors.pop("weight_scale")
+    packed = "weight_packed" in tensors
+    if packed:
+        shape = torch.Size([int(v) for v in tensors.pop("weight_shape").tolist()])
+        values = unpack_from_int32(tensors.pop("weight_packed"), args.num_bits, shape)
+    else:
+        values = tensors.pop("weight")
+    zero = tensors.pop("weight_zero_point", None)
+    if zero is not None and packed:  # pack-quantized zero points are packed along the output dim
+        zero = unpack_from_int32(zero, args.num_bits, torch.Size([values.shape[0], scale.shape[1]]), packed_dim=0)
+    return QuantizedTensor(values, scale, None if zero is None else zero.to(torch.int8), args,
+                           tensors.pop("weight_g_idx", None))

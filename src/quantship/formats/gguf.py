@@ -15,6 +15,7 @@ into a temporary file renamed into place at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from quantship.formats.gguf_mix import FILE_TYPES, ModelShape, choose_types
 from quantship.formats.gguf_vocab import add_tokenizer
 from quantship.models.bundled import resolve_model
 from quantship.models.loader import Checkpoint
-from quantship.models.quantized import dequantize
+from quantship.quantized_tensor import QuantizedTensor
 
 METHODS = ("rtn", "gptq")
 _DTYPE_TYPES = {"bfloat16": T.BF16, "float16": T.F16, "float32": T.F32}
@@ -254,43 +255,14 @@ def _nbytes(p: Planned) -> int:
 
 # --- producing the data -----------------------------------------------------------------------
 
-@dataclass
-class StoredQuant:
-    """A quantized Linear as the checkpoint stores it: integers (int8 holding intN) and their grid."""
-
-    values: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
-    g_idx: torch.Tensor | None
-
-    def dequantize(self) -> torch.Tensor:
-        out, inp = self.values.shape
-        if self.scale.dim() == 2 and self.scale.shape[0] != out:  # one scale per 2-D block (FP8_BLOCK)
-            rows, cols = -(-out // self.scale.shape[0]), -(-inp // self.scale.shape[1])
-            scale = self.scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
-            return self.values.float() * scale
-        return dequantize(self.values, self.scale, self.zero, self.g_idx).float()
-
-
-def _unpack(ck: Checkpoint, module: str, state: dict[str, torch.Tensor]) -> StoredQuant:
-    """compressed-tensors' stored tensors of one Linear → its integers, unpacked with that library."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    bits = int(((ck.quantized.scheme_for(module) or {}).get("weights") or {}).get("num_bits", 8))
-    scale = state.pop("weight_scale").float()
-    if "weight_packed" in state:
-        shape = torch.Size([int(v) for v in state.pop("weight_shape").tolist()])
-        values = unpack_from_int32(state.pop("weight_packed"), bits, shape)
-        zero = state.pop("weight_zero_point", None)
-        if zero is not None:  # packed along the output dimension
-            zero = unpack_from_int32(zero, bits, torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
-    else:
-        values, zero = state.pop("weight"), state.pop("weight_zero_point", None)
-    return StoredQuant(values, scale, zero, state.pop("weight_g_idx", None))
+def _unpack(ck: Checkpoint, module: str, state: dict[str, torch.Tensor]) -> QuantizedTensor:
+    """A quantized Linear's stored tensors (consumed) → its integers and float32 scales."""
+    q, _ = ck.quantized.read_linear(module, state)
+    return dataclasses.replace(q, scale=q.scale.float())
 
 
 def source_layers(ck: Checkpoint):
-    """(layer index or None for the outer tensors, {our full name: float tensor or StoredQuant})."""
+    """(layer index or None for the outer tensors, {our full name: float tensor or QuantizedTensor})."""
     outer = {k: v.float() for k, v in ck.outer_state().items()}
     if ck.config.rope.type == "llama3":
         outer[ROPE_FREQS] = rope_freq_factors(ck.config)
@@ -311,7 +283,7 @@ def _group(plan: list[Planned], layer: int | None) -> list[Planned]:
 
 
 def float_weight(source) -> torch.Tensor:
-    return source.dequantize() if isinstance(source, StoredQuant) else source.float()
+    return source.dequantize() if isinstance(source, QuantizedTensor) else source.float()
 
 
 def reference(p: Planned, tensors: dict, config) -> torch.Tensor:
@@ -327,8 +299,8 @@ def encode(p: Planned, tensors: dict, config, ref: torch.Tensor, imatrix=None) -
     return np.stack(packed) if p.spec.transform == "stack" else packed[0]
 
 
-def _pack(p: Planned, stored: StoredQuant, config) -> np.ndarray:
-    values, scale, zero = stored.values, stored.scale, stored.zero
+def _pack(p: Planned, stored: QuantizedTensor, config) -> np.ndarray:
+    values, scale, zero = stored.values, stored.scale, stored.zero_point
     rows = forward_rows(p.spec, config, values.shape[0])
     if rows is not None:
         values, scale, zero = values[rows], scale[rows], None if zero is None else zero[rows]

@@ -15,9 +15,8 @@ import torch
 from quantship.errors import QuantshipError
 from quantship.formats.onnx_linear import FloatWeight, Int4Weight, Int8Weight, nbits_block_ok
 from quantship.models.loader import Checkpoint
-from quantship.models.quantized import dequantize
 from quantship.quant.rtn import rtn_quantize
-from quantship.quant.scheme import WeightQuant
+from quantship.quantized_tensor import WeightQuant, dequantize
 
 TYPES = ("fp32", "fp16", "int4", "int8-dynamic", "int8-static")
 INT4_GROUPS = (128, 64, 32, 16)  # for RTN from full precision: the largest that tiles the row
@@ -40,28 +39,16 @@ class Stored:
 
 def read_layer(ck: Checkpoint, index: int) -> tuple[dict[str, torch.Tensor], dict[str, Stored]]:
     """(float tensors, quantized Linears by module name), both relative to model.layers.{index}."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
     state = ck.layer_state(index)
     stored = {}
     for module in sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_scale")}):
         local = {k[len(module) + 1:]: state.pop(k) for k in list(state) if k.startswith(module + ".")}
-        group = ck.quantized.scheme_for(f"model.layers.{index}.{module}") or {}
-        w = group.get("weights") or {}
-        bits = int(w.get("num_bits", 8))
-        scale = local.pop("weight_scale").float()
-        if "weight_packed" in local:
-            shape = torch.Size([int(v) for v in local.pop("weight_shape").tolist()])
-            values = unpack_from_int32(local.pop("weight_packed"), bits, shape)
-            zero = local.pop("weight_zero_point", None)
-            if zero is not None:  # packed along the output dimension
-                zero = unpack_from_int32(zero, bits, torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
-        else:
-            values, zero = local.pop("weight"), local.pop("weight_zero_point", None)
+        q, _ = ck.quantized.read_linear(f"model.layers.{index}.{module}", local)
+        scale = q.scale.float()
         if scale.dim() == 1:
             scale = scale[:, None]
-        stored[module] = Stored(values, scale, None if zero is None else zero.to(torch.int8).reshape(scale.shape),
-                                local.pop("weight_g_idx", None), bits, w.get("type", "int") == "int")
+        zero = None if q.zero_point is None else q.zero_point.reshape(scale.shape)
+        stored[module] = Stored(q.values, scale, zero, q.g_idx, q.args.num_bits, q.args.type == "int")
         if "bias" in local:
             state[f"{module}.bias"] = local.pop("bias")
     return state, stored

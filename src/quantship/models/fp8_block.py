@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship.errors import QuantshipError
+from quantship.quantized_tensor import FP8_MAX, block_grid, dequantize_blocks
 
-FP8_MAX = 448.0
 SCALE_SUFFIX = ".weight_scale_inv"
 
 
@@ -49,25 +49,6 @@ class Fp8Source:
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise fail(f"weight_block_size must be two positive integers, got {block!r}")
         return cls((block[0], block[1]))
-
-
-def block_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
-    """Scales a [out, in] weight needs: one per block, the edge blocks partial."""
-    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
-
-
-def dequantize_blocks(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """values [out, in] (float8) x the scale of each one's block → [out, in] in `dtype`.
-
-    One block row at a time, so the only full-size allocation is the result."""
-    out, inp = values.shape
-    result = torch.empty(out, inp, dtype=dtype, device=values.device)
-    for r in range(scale.shape[0]):
-        rows = slice(r * block[0], min((r + 1) * block[0], out))
-        columns = scale[r].float().repeat_interleave(block[1])[:inp]
-        result[rows] = (values[rows].float() * columns).to(dtype)
-    return result
 
 
 def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int], prefix: str,
@@ -136,30 +117,3 @@ class Fp8BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8 blocks {self.block[0]}x{self.block[1]}"
-
-
-def swap_block_linears(reader, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
-    """Build an Fp8BlockLinear for each Linear of `layer` that a `strategy: block` config group targets.
-
-    `reader` is the checkpoint's CompressedTensorsReader (it resolves targets); the tensors used are
-    consumed from `state` and the new module's own are put back, as the reader's swap_into does."""
-    for name, module in list(layer.named_modules()):
-        if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in state:
-            continue
-        group = reader.scheme_for(f"{prefix}.{name}")
-        weights = (group or {}).get("weights") or {}
-        if weights.get("strategy") != "block":
-            continue
-        structure = weights.get("block_structure") or [128, 128]
-        block = (int(structure[0]), int(structure[1]))
-        values, scale = state.pop(f"{name}.weight"), state.pop(f"{name}.weight_scale")
-        expected = block_grid(tuple(values.shape), block)
-        if values.dtype != torch.float8_e4m3fn or tuple(scale.shape) != expected:
-            raise QuantshipError(f"{prefix}.{name}: FP8 block weights need float8_e4m3fn values and scales of "
-                                 f"shape {list(expected)}, got {values.dtype} and {list(scale.shape)}", reader.source)
-        acts = group.get("input_activations") or {}
-        new = Fp8BlockLinear(values, scale.float(), block, state.pop(f"{name}.bias", None),
-                             activation_group=acts.get("group_size") if acts else None)
-        owner, _, attr = name.rpartition(".")
-        setattr(layer.get_submodule(owner) if owner else layer, attr, new)
-        state.update({f"{name}.{k}": v for k, v in new.state_dict().items()})

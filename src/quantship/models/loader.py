@@ -16,11 +16,12 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from quantship.errors import QuantshipError
+from quantship.formats.compressed_tensors import CompressedTensorsReader
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, load_config
-from quantship.models.fp8_block import Fp8Source, dequantize_state, is_fp8_block_source, swap_block_linears
+from quantship.models.fp8_block import Fp8Source, dequantize_state, is_fp8_block_source
 from quantship.models.mtp import MTPLayer
-from quantship.models.quantized import CompressedTensorsReader
+from quantship.models.quantized import runtime_linear
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -178,9 +179,21 @@ class Checkpoint:
     def _load_layer(self, layer: nn.Module, index: int, dtype, device) -> nn.Module:
         state = self.layer_state(index)
         if self.quantized is not None:
-            swap_block_linears(self.quantized, layer, f"model.layers.{index}", state)
-            self.quantized.swap_into(layer, f"model.layers.{index}", state)
+            self._swap_quantized(layer, f"model.layers.{index}", state)
         return self._fill(layer, state, f"model.layers.{index}", dtype, device)
+
+    def _swap_quantized(self, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
+        """Replace every Linear of `layer` whose tensors in `state` are quantized by the layer that runs them;
+        their stored tensors are consumed and the new layer's own put in their place."""
+        for name, module in list(layer.named_modules()):
+            if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in state:
+                continue
+            local = {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
+            weight, activations = self.quantized.read_linear(f"{prefix}.{name}", local)
+            new = runtime_linear(weight, activations, local.pop("bias", None))
+            owner, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(owner) if owner else layer, attr, new)
+            state.update({f"{name}.{k}": v for k, v in new.state_dict().items()})
 
     def iter_layers(self, dtype: torch.dtype = torch.float32, device="cpu") -> Iterator[tuple[int, nn.Module]]:
         for i in range(self.config.num_hidden_layers):

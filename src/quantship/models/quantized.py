@@ -1,5 +1,5 @@
-"""Quantized Linear layers as the model definition runs them, and reading them from
-compressed-tensors checkpoints (pack-quantized, int-quantized, float-quantized).
+"""Quantized Linear layers as the model definition runs them. formats/compressed_tensors.py reads them
+from checkpoints as QuantizedTensors; `runtime_linear` turns one into the layer that runs it.
 
 Weight-only integer weights (W4A16, W8A16) are held packed (PackedLinear: 8 or 4 values per int32,
 in the kernel layout of kernels/wna16.py, repacked once at load); on CUDA the forward runs the fused
@@ -11,33 +11,13 @@ served.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantship.kernels import fp8, on_gpu_kernel, wna16
-
-FP8_MAX = fp8.FP8_MAX
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-
-
-def expand_groups(t: torch.Tensor, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:
-    """Per-group parameter [out, groups] → per-column [out, in]."""
-    if t.shape[1] == 1:
-        return t.expand(-1, in_features)
-    if g_idx is not None:
-        return t[:, g_idx.long()]
-    return t.repeat_interleave(in_features // t.shape[1], dim=1)
-
-
-def dequantize(values, scale, zero=None, g_idx=None) -> torch.Tensor:
-    in_features = values.shape[1]
-    q = values.float()
-    if zero is not None:
-        q = q - expand_groups(zero.float(), in_features, g_idx)
-    return q * expand_groups(scale.float(), in_features, g_idx)
+from quantship.models.fp8_block import Fp8BlockLinear
+from quantship.quantized_tensor import FP8_MAX, ActivationQuant, QuantizedTensor, dequantize
 
 
 def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -155,6 +135,17 @@ def quant_linear(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     return QuantLinear(values, scale, zero, g_idx, bias, activations)
 
 
+def runtime_linear(q: QuantizedTensor, activations: ActivationQuant | None = None,
+                   bias: torch.Tensor | None = None) -> nn.Module:
+    """The layer that runs a quantized weight: FP8 blocks as Fp8BlockLinear, the rest through quant_linear.
+    `activations`: how the layer's inputs are quantized on the fly (None: weight-only)."""
+    if q.args.strategy == "block":
+        group = activations.group_size if activations else None
+        return Fp8BlockLinear(q.values, q.scale.float(), q.args.block, bias, activation_group=group)
+    return quant_linear(q.values, q.scale, q.zero_point, q.g_idx, bias,
+                        activations=activations.type if activations else None, bits=q.args.num_bits)
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes a model's weights take in memory: parameters, the buffers of quantized Linears, and the
     decode copies PackedLinear made for tinygemm."""
@@ -169,69 +160,3 @@ def weight_memory(module: nn.Module) -> dict:
     packed = [m for m in module.modules() if isinstance(m, PackedLinear)]
     return {"weight_bytes": weight_bytes(module), "packed_linears": len(packed),
             "packed_linear_bytes": sum(weight_bytes(m) for m in packed)}
-
-
-def matches_target(name: str, target: str) -> bool:
-    """compressed-tensors' target syntax: `Linear` (the class), an exact module name, or `re:` + a regex."""
-    if target == "Linear":  # a class-name target; only Linear modules are ever asked about
-        return True
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return name == target or name.endswith("." + target)
-
-
-class CompressedTensorsReader:
-    """Finds the quantization args of a module and turns its stored tensors into a QuantLinear."""
-
-    def __init__(self, quantization_config: dict, source):
-        from quantship.errors import QuantshipError
-
-        self.config = quantization_config
-        fmt = quantization_config.get("format")
-        if quantization_config.get("quant_method") != "compressed-tensors":
-            raise QuantshipError(f"unsupported quant_method {quantization_config.get('quant_method')!r}", source)
-        if fmt not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "mixed-precision"):
-            raise QuantshipError(f"unsupported compressed-tensors format {fmt!r}", source)
-        self.groups = list((quantization_config.get("config_groups") or {}).values())
-        self.source = source
-
-    def scheme_for(self, module_name: str) -> dict | None:
-        for group in self.groups:
-            if any(matches_target(module_name, t) for t in group.get("targets", [])) and group.get("weights"):
-                return group
-        return None
-
-    def build(self, module_name: str, state: dict[str, torch.Tensor]) -> nn.Module:
-        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-        from quantship.errors import QuantshipError
-
-        group = self.scheme_for(module_name)
-        if group is None:
-            raise QuantshipError(f"{module_name} holds quantized tensors but no config group targets it", self.source)
-        bits = int(group["weights"]["num_bits"])
-        scale = state.pop("weight_scale")
-        packed = "weight_packed" in state
-        if packed:
-            shape = [int(v) for v in state.pop("weight_shape").tolist()]
-            values = unpack_from_int32(state.pop("weight_packed"), bits, torch.Size(shape))
-        else:
-            values = state.pop("weight")
-        zero = state.pop("weight_zero_point", None)
-        if zero is not None and packed:  # pack-quantized zero points are packed along the output dim
-            zero = unpack_from_int32(zero, bits, torch.Size([values.shape[0], scale.shape[1]]), packed_dim=0)
-        g_idx = state.pop("weight_g_idx", None)
-        act = group.get("input_activations")
-        return quant_linear(values, scale, None if zero is None else zero.to(torch.int8), g_idx,
-                            state.pop("bias", None), activations=act.get("type", "int") if act else None, bits=bits)
-
-    def swap_into(self, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
-        """Replace every Linear of `layer` whose tensors in `state` are quantized; consume those tensors."""
-        for name, module in list(layer.named_modules()):
-            if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in state:
-                continue
-            local = {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
-            owner, attr = (name.rsplit(".", 1) + [""])[:2] if "." in name else ("", name)
-            parent = layer.get_submodule(owner) if owner else layer
-            setattr(parent, attr, self.build(f"{prefix}.{name}", local))
-            state.update({f"{name}.{k}": v for k, v in parent.get_submodule(attr).state_dict().items()})

@@ -21,7 +21,7 @@ from torch import nn
 
 from quantship.models.deepseek import MoE
 from quantship.quant.rtn import rtn_quantize
-from quantship.quant.scheme import WeightQuant
+from quantship.quantized_tensor import WeightQuant
 
 MEAN_FLOOR = 1e-8  # a channel that is always zero must still get a finite, positive scale
 SCALE_RANGE = (1e-4, 1e4)

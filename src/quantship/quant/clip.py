@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quantship.quant.rtn import rtn_quantize
-from quantship.quant.scheme import WeightQuant
+from quantship.quantized_tensor import WeightQuant
 
 
 @torch.no_grad()

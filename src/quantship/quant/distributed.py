@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from quantship.errors import QuantshipError
-from quantship.quant.rtn import QuantizedTensor
+from quantship.quantized_tensor import QuantizedTensor
 
 
 @dataclass

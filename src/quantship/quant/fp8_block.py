@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantship.models.fp8_block import FP8_MAX, block_grid
+from quantship.quantized_tensor import FP8_MAX, block_grid
 
 DEFAULT_BLOCK = (128, 128)
 

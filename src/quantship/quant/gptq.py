@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from quantship.quant.rtn import QuantizedTensor, minmax_by_group, qparams, quantize_values, store_values
-from quantship.quant.scheme import WeightQuant
+from quantship.quant.rtn import minmax_by_group, qparams, quantize_values, store_values
+from quantship.quantized_tensor import QuantizedTensor, WeightQuant
 
 _RETRIES = 4  # dampening tried: d, 10d, 100d, 1000d
 

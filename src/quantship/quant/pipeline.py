@@ -32,17 +32,17 @@ from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quan
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
 from quantship.models.loader import Checkpoint
-from quantship.models.fp8_block import Fp8BlockLinear
 from quantship.models.mtp import MTPLayer
-from quantship.models.quantized import quant_linear
+from quantship.models.quantized import runtime_linear
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant import mtp as M
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
 from quantship.quant.distributed import DiscardingWriter, UnrecordedRun, Workers, from_environment
 from quantship.quant.fp8_block import block_quantize
 from quantship.quant.resume import ResumableRun, file_digest, source_fingerprint
-from quantship.quant.rtn import QuantizedTensor, rtn_quantize
+from quantship.quant.rtn import rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
+from quantship.quantized_tensor import QuantizedTensor
 from quantship.files import check_output_location, publish_directory
 
 METHODS = ("rtn", "awq", "gptq")
@@ -225,16 +225,13 @@ def _clip(weight: torch.Tensor, sample, scheme: Scheme, min_tokens: int) -> torc
 
 
 def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype: torch.dtype) -> None:
+    """Run the layer on as it will be read back: integer scales in the checkpoint dtype, FP8 block scales float32."""
     owner, attr = name.rsplit(".", 1)
     old = layer.get_submodule(name)
     bias = None if old.bias is None else old.bias.data
-    acts = scheme.input_activations.type if scheme.input_activations else None
-    if q.args.strategy == "block":
-        new = Fp8BlockLinear(q.values, q.scale, q.args.block, bias, scheme.input_activations.group_size)
-    else:
-        new = quant_linear(q.values, q.scale.to(dtype), q.zero_point, q.g_idx, bias, activations=acts,
-                           bits=q.args.num_bits)
-    setattr(layer.get_submodule(owner), attr, new)
+    if q.args.strategy != "block":
+        q = dataclasses.replace(q, scale=q.scale.to(dtype))
+    setattr(layer.get_submodule(owner), attr, runtime_linear(q, scheme.input_activations, bias))
 
 
 def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch: int = 8) -> torch.Tensor:

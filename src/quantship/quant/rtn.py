@@ -1,4 +1,4 @@
-"""Quantized tensors and round-to-nearest (RTN): the arithmetic every method shares.
+"""Round-to-nearest (RTN): the arithmetic every method shares.
 
 Conventions are compressed-tensors': signed integers in [qmin, qmax]; symmetric scale =
 max|w| / ((qmax - qmin) / 2); asymmetric scale = (max - min) / (qmax - qmin) with an integer
@@ -8,27 +8,9 @@ zero point, both ranges stretched to include 0. Scales are rounded to the checkp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from quantship.models.quantized import FP8_MAX, dequantize, expand_groups
-from quantship.quant.scheme import WeightQuant
-
-
-@dataclass
-class QuantizedTensor:
-    """values [out, in] (int8 holding intN, or float8), scale [out, groups], zero_point like scale or None,
-    g_idx [in] (group of each input column) when act-order 'group' permuted the groups."""
-
-    values: torch.Tensor
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None
-    args: WeightQuant
-    g_idx: torch.Tensor | None = None
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.values, self.scale, self.zero_point, self.g_idx).to(dtype)
+from quantship.quantized_tensor import FP8_MAX, QuantizedTensor, WeightQuant, expand_groups
 
 
 def qparams(

@@ -12,42 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from quantship.errors import QuantshipError
-from quantship.models.quantized import matches_target
-
-
-@dataclass(frozen=True)
-class WeightQuant:
-    num_bits: int = 4
-    type: str = "int"  # "int" or "float" (FP8 e4m3)
-    symmetric: bool = True
-    strategy: str = "group"  # "group", "channel" or "block" (FP8_BLOCK)
-    group_size: int | None = 128
-    actorder: str | None = None  # None, "static" or "group" (GPTQ only)
-    block: tuple[int, int] | None = None  # [out, in] block of one scale, strategy "block" only
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.num_bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
-
-    def groups(self, in_features: int) -> int:
-        return in_features // self.group_size if self.strategy == "group" else 1
-
-    def group_width(self, in_features: int) -> int:
-        return self.group_size if self.strategy == "group" else in_features
-
-
-@dataclass(frozen=True)
-class ActivationQuant:
-    num_bits: int = 8
-    type: str = "int"
-    symmetric: bool = True
-    strategy: str = "token"  # "token", or "group" (per token and group of group_size channels)
-    dynamic: bool = True
-    group_size: int | None = None
+from quantship.quantized_tensor import ActivationQuant, WeightQuant, matches_target
 
 
 @dataclass(frozen=True)
