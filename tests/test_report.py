@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from quantship.errors import QuantshipError
 from quantship.verify.report import NOT_MEASURED, render_html, render_markdown, write_report
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report_sample.json"
@@ -124,8 +125,8 @@ def test_failed_write_leaves_old_file_and_no_temp(sample, tmp_path, monkeypatch)
 
     def refuse(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr("quantship.verify.report.os.replace", refuse)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr("quantship.files.os.replace", refuse)
+    with pytest.raises(QuantshipError, match="cannot write the report .disk full"):
         write_report(sample, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
     assert (tmp_path / "report.json").read_text(encoding="utf-8") == "old"

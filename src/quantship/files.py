@@ -1,4 +1,5 @@
-"""Writing outputs so that a failure never leaves a half-written one behind."""
+"""Reading a user's files with one-line errors, and writing outputs so that a failure never leaves a
+half-written one behind. `what` names the file in every message ("evaluation text", "report")."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ def file_mode() -> int:
     return 0o666 & ~umask
 
 
+def write_atomic(path: Path, data: str | bytes, what: str) -> Path:
+    """Write via a temporary file in the same directory + os.replace: readers never see half a file, and a
+    failure leaves none. The file gets open()'s usual mode (see file_mode), not mkstemp's 0600."""
+    from quantship.errors import QuantshipError
+
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise QuantshipError(f"cannot write the {what} ({exc.strerror or exc})", path) from None
+        raise
+    return path
+
+
 def publish_directory(tmp: Path, out: Path) -> None:
     """Swap a finished directory into place; an existing OUT goes only after the new one is there."""
     old = None
@@ -56,3 +79,35 @@ def read_yaml_file(path: Path, what: str):
         raise QuantshipError(f"cannot read the {what} ({getattr(exc, 'strerror', None) or exc})", path) from None
     except yaml.YAMLError as exc:
         raise QuantshipError(f"malformed YAML in the {what} ({' '.join(str(exc).split())})", path) from None
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file, or the "text" fields of a .jsonl file joined by blank lines (calibration and
+    evaluation texts alike)."""
+    import json
+
+    from quantship.errors import QuantshipError
+
+    path = Path(path)
+    if not path.is_file():
+        raise QuantshipError(f"{what} not found", path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise QuantshipError(f"{what} is not UTF-8 text", path) from None
+    if path.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise QuantshipError(f"line {number}: not JSON ({exc.msg})", path) from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise QuantshipError(f"line {number}: expected an object with a string 'text'", path)
+            texts.append(record["text"])
+        raw = "\n\n".join(texts)
+    if not raw.strip():
+        raise QuantshipError(f"{what} is empty", path)
+    return raw

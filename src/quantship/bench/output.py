@@ -12,24 +12,13 @@ import csv
 import html
 import io
 import json
-import os
 from pathlib import Path
 
 from quantship.errors import QuantshipError
+from quantship.files import write_atomic
 
 # Nested or per-request: the CSV gets failures flattened; the SLO and --details arrays stay in bench.json.
 CSV_SKIP = {"failures", "slo_ms", "input_lens", "output_lens", "ttfts", "itls", "errors", "start_times"}
-
-
-def write_atomic(path: Path, data: bytes | str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise QuantshipError(f"cannot write ({exc.strerror})", path) from None
-    return path
 
 
 def result_document(meta: dict, summaries: list[dict], extra_steps: list[dict] | None = None) -> dict:
@@ -101,8 +90,8 @@ def write_outputs(out_dir: Path, doc: dict, pngs: dict[str, bytes], comparison: 
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise QuantshipError(f"cannot create output directory ({exc.strerror})", out_dir) from None
-    paths = [write_atomic(out_dir / "bench.json", json.dumps(doc, indent=2) + "\n"),
-             write_atomic(out_dir / "bench.csv", csv_text(doc["steps"]))]
-    paths += [write_atomic(out_dir / name, data) for name, data in pngs.items()]
-    paths.append(write_atomic(out_dir / "bench.html", html_page(doc, pngs, comparison)))
+    paths = [write_atomic(out_dir / "bench.json", json.dumps(doc, indent=2) + "\n", "bench result"),
+             write_atomic(out_dir / "bench.csv", csv_text(doc["steps"]), "bench table")]
+    paths += [write_atomic(out_dir / name, data, "bench plot") for name, data in pngs.items()]
+    paths.append(write_atomic(out_dir / "bench.html", html_page(doc, pngs, comparison), "bench page"))
     return paths

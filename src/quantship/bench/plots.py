@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from quantship.bench.load import StepResult
-from quantship.verify.report import figure, png  # one way to render a Figure for every report
+from quantship.figures import figure, png
 
 COLORS = ("#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 

@@ -9,7 +9,6 @@ The layer's output always keeps the real routing.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,41 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship.errors import QuantshipError
+from quantship.files import read_text_file
 from quantship.models.deepseek import MoE
-
-
-def read_text_file(path: Path, what: str = "calibration file") -> str:
-    """A UTF-8 text file, or the "text" fields of a .jsonl file joined by blank lines: read for calibration and
-    for verify's evaluation text alike; `what` names it in errors."""
-    if not path.is_file():
-        raise QuantshipError(f"{what} not found", path)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise QuantshipError(f"{what} is not UTF-8 text", path) from None
-    if path.suffix == ".jsonl":
-        texts = []
-        for number, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise QuantshipError(f"line {number}: not JSON ({exc.msg})", path) from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise QuantshipError(f"line {number}: expected an object with a string 'text'", path)
-            texts.append(record["text"])
-        raw = "\n\n".join(texts)
-    if not raw.strip():
-        raise QuantshipError(f"{what} is empty", path)
-    return raw
 
 
 def calibration_tokens(path: Path, tokenizer, samples: int, seq_len: int) -> tuple[torch.Tensor, dict]:
     """[n, seq_len] token windows spread evenly over the text; n = samples, or fewer if the text is short."""
     if samples < 1 or seq_len < 2:
         raise QuantshipError("--samples must be >= 1 and --seq-len >= 2")
-    ids = tokenizer(read_text_file(path), add_special_tokens=False, verbose=False)["input_ids"]
+    ids = tokenizer(read_text_file(path, "calibration file"), add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) < seq_len:
         raise QuantshipError(f"calibration text has {len(ids)} tokens, fewer than one sample of {seq_len}", path)
     available = len(ids) // seq_len

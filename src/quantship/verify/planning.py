@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from quantship.errors import QuantshipError
-from quantship.files import check_output_location
+from quantship.files import check_output_location, read_text_file, write_atomic
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import load_tokenizer
-from quantship.quant.calibrate import read_text_file
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.quant.plan import ORIGINAL, ORIGINAL_BITS, choose_plan
 from quantship.quant.scheme import DEFAULT_IGNORE, get_scheme, is_ignored
@@ -44,7 +41,7 @@ def measure_units(model: str | Path | None, schemes: list[str], method: str = "r
     base_ck = Checkpoint(path)
     calib_path = Path(calib) if calib else TINY_DIR / "calib.txt"
     tokenizer = load_tokenizer(path)
-    ids = tokenizer(read_text_file(calib_path), add_special_tokens=False, verbose=False)["input_ids"]
+    ids = tokenizer(read_text_file(calib_path, "calibration file"), add_special_tokens=False, verbose=False)["input_ids"]
     # Take the measurement rows from the end of the calibration text, away from the quantizer's first samples.
     measure_rows = chunk_rows(ids[::-1][: rows * ctx][::-1], ctx, None)
     base = base_ck.load_model(device=device)
@@ -99,7 +96,4 @@ def make_plan(model: str | Path | None, budget_bits: float, schemes: list[str], 
 
 
 def write_plan(plan: dict, out: Path) -> None:
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(plan, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_atomic(Path(out), json.dumps(plan, indent=2) + "\n", "plan")

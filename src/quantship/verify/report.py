@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
-from quantship.files import file_mode
+from quantship.figures import figure, png
+from quantship.files import write_atomic
 
 NOT_MEASURED = "not measured"
 
@@ -217,20 +215,6 @@ def render_markdown(report: dict) -> str:
 
 # ---------------------------------------------------------------- plots
 
-def figure(width: float, height: float):
-    # A bare Figure (no pyplot) renders through Agg, never touches a user's global backend and is
-    # freed with its last reference: pyplot's registry of open figures is what leaks in loops.
-    from matplotlib.figure import Figure
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    fig.clear()
-    return buf.getvalue()
-
-
 def plot_kl_hist(report: dict) -> bytes | None:
     hist = report.get("kl_histogram")
     if not hist or not hist.get("counts"):
@@ -406,25 +390,12 @@ def render_html(report: dict) -> str:
 
 # ---------------------------------------------------------------- files
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory + os.replace: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, file_mode())  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(report: dict, directory: Path) -> dict[str, Path]:
     """report.json first (the data outlives any rendering bug), then report.md and report.html."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = {name: directory / f"report.{name}" for name in ("json", "md", "html")}
-    atomic_write(paths["json"], json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    atomic_write(paths["md"], render_markdown(report))
-    atomic_write(paths["html"], render_html(report))
+    write_atomic(paths["json"], json.dumps(report, indent=2, ensure_ascii=False) + "\n", "report")
+    write_atomic(paths["md"], render_markdown(report), "report")
+    write_atomic(paths["html"], render_html(report), "report")
     return paths

@@ -11,12 +11,12 @@ import torch
 
 from quantship import __version__
 from quantship.errors import QuantshipError
+from quantship.files import read_text_file
 from quantship.formats.gguf_read import GGUFCheckpoint, open_checkpoint
 from quantship.models.bundled import bundled_texts, resolve_model
 from quantship.models.generate import generate_tokens
 from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import eos_ids, load_tokenizer
-from quantship.quant.calibrate import read_text_file
 from quantship.verify import evaluate as E
 from quantship.verify import sensitivity as S
 from quantship.verify.coverage import coverage
@@ -131,7 +131,7 @@ def verify(base: str | Path | None, quant: str | Path, opts: VerifyOptions, prog
         report["sensitivity"] = S.measure(base_model, quant_model, srows, device, progress=lambda: step())
     calib_source = Path(recipe.get("calibration", {}).get("source") or bundled_texts()["calib_text"])
     if calib_source.is_file():
-        calib_text = read_text_file(calib_source)
+        calib_text = read_text_file(calib_source, "calibration file")
         calib_ids = tokenizer(calib_text, add_special_tokens=False, verbose=False)["input_ids"]
         report["coverage"] = coverage(base_model, calib_ids, ids, calib_text, eval_text, base_ck.config.vocab_size,
                                       recipe.get("tokens_per_expert"), device=device)
