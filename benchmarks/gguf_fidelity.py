@@ -88,8 +88,7 @@ def produce(work: Path, with_checkpoint: bool) -> tuple[dict[str, Path], dict[st
                      "tiny", p, GGUFOptions(type=t, method=m, imatrix=i, **CALIB)))
     checkpoint = work / "w4g32"
     if with_checkpoint and not checkpoint.exists():
-        quantize("tiny", checkpoint, QuantizeOptions(scheme="W4A16", method="gptq", group_size=32, **CALIB),
-                 progress=False)
+        quantize("tiny", checkpoint, QuantizeOptions(scheme="W4A16", method="gptq", group_size=32, **CALIB))
     if checkpoint.exists():
         make(CHECKPOINT_ROW, work / "w4g32.gguf", lambda p: export_gguf(checkpoint, p, GGUFOptions()))
     return files, times

@@ -50,7 +50,7 @@ def prepare(work: Path) -> dict[str, dict]:
         if scheme:
             source = work / scheme.lower()
             if not source.exists():
-                quantize("tiny", source, QuantizeOptions(scheme=scheme, method="rtn"), progress=False)
+                quantize("tiny", source, QuantizeOptions(scheme=scheme, method="rtn"))
         export = work / f"onnx-{kind}"
         seconds = None
         if not export.exists():

@@ -69,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, plan in candidates.items():
             out = Path(tmp) / name.replace(" ", "_")
-            quantize("tiny", out, QuantizeOptions(plan=plan, **CALIB), progress=False)
+            quantize("tiny", out, QuantizeOptions(plan=plan, **CALIB))
             start = time.time()
             report = verify("tiny", out, EVAL)
             seconds = time.time() - start

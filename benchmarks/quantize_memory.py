@@ -35,7 +35,7 @@ def kb(key):
     return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1])
 load_tokenizer(Path(sys.argv[1]))  # transformers' import is code, not data: count it in the baseline
 base = kb('VmRSS')
-quantize(sys.argv[1], sys.argv[2], QuantizeOptions(method=sys.argv[3], samples=%d, seq_len=%d), progress=False)
+quantize(sys.argv[1], sys.argv[2], QuantizeOptions(method=sys.argv[3], samples=%d, seq_len=%d))
 print(json.dumps({"baseline_kb": base, "peak_kb": kb('VmHWM')}))
 """ % (SAMPLES, SEQ_LEN)
 

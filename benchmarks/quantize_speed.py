@@ -128,8 +128,7 @@ def run(args) -> None:
         start = time.time()
         recipe = quantize(model, out, QuantizeOptions(scheme="W4A16", method=method, calib=calib,
                                                       samples=args.samples, seq_len=args.seq_len, device="cuda",
-                                                      ignore=IGNORE.get(args.shape, [])),
-                          progress=False)
+                                                      ignore=IGNORE.get(args.shape, [])))
         seconds = time.time() - start
         results["runs"][method] = {"seconds": seconds, "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
                                    "samples": recipe["calibration"]["samples"],

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from quantship.cli import _progress_lines, main
+from quantship.cli import main
 from quantship.models.bundled import TINY_DIR
 from quantship.models.loader import Checkpoint
+from quantship.progress import progress_lines
 
 UNWRITABLE = "/proc/quantship-test/out"  # a pseudo filesystem: nothing can be created there
 PROM = "http://127.0.0.1:9"
@@ -152,7 +153,7 @@ def test_quantized_files_follow_the_umask(tmp_path):
 def test_progress_is_printed_as_lines_when_not_on_a_terminal():
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=False)
-    context, step = _progress_lines(console, every_s=3600)
+    context, step = progress_lines(console, every_s=3600)
     with context:
         step("compare", 3)
         for _ in range(3):

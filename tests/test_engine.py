@@ -77,8 +77,7 @@ def w4a16_dirs(tmp_path_factory, llama_dir):
     out = {}
     for name, source in (("tiny", "tiny"), ("llama", llama_dir)):
         out[name] = root / name
-        quantize(source, out[name], QuantizeOptions(scheme="W4A16", group_size=64, samples=4, seq_len=64),
-                 progress=False)
+        quantize(source, out[name], QuantizeOptions(scheme="W4A16", group_size=64, samples=4, seq_len=64))
     return out
 
 

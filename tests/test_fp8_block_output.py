@@ -21,7 +21,7 @@ FAST = dict(samples=4, seq_len=64)
 @pytest.fixture(scope="module")
 def fp8_block(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8block") / "q"
-    quantize("tiny", out, QuantizeOptions(scheme="FP8_BLOCK", **FAST), progress=False)
+    quantize("tiny", out, QuantizeOptions(scheme="FP8_BLOCK", **FAST))
     return out
 
 
@@ -88,7 +88,7 @@ def test_plan_keeps_sensitive_layers_in_fp8_block_beside_w4a16(tmp_path):
     plan = {f"model.layers.{i}.self_attn.kv_b_proj": "FP8_BLOCK" for i in range(8)}
     plan.update({f"model.layers.{i}.self_attn.o_proj": "W4A16" for i in range(8)})
     out = tmp_path / "mixed"
-    quantize("tiny", out, QuantizeOptions(plan=plan, method="gptq", **FAST), progress=False)
+    quantize("tiny", out, QuantizeOptions(plan=plan, method="gptq", **FAST))
     ck = Checkpoint(out)
     qc = ck.config.raw["quantization_config"]
     assert qc["format"] == "mixed-precision"

@@ -30,7 +30,7 @@ def fp8(tmp_path_factory):
 @pytest.fixture(scope="module")
 def w4_from_fp8(fp8, tmp_path_factory):
     out = tmp_path_factory.mktemp("w4") / "w4"
-    quantize(fp8, out, QuantizeOptions(scheme="W4A16", **FAST), progress=False)
+    quantize(fp8, out, QuantizeOptions(scheme="W4A16", **FAST))
     return out
 
 

@@ -109,7 +109,7 @@ def test_eight_experts_and_short_rows_follow_llama_cpp():
 def tiny_q4(tmp_path_factory):
     """The bundled DeepSeek-V3 (MLA + MoE) as W4A16 symmetric group 32, and its Q4_0 export."""
     root = tmp_path_factory.mktemp("gguf_tiny")
-    quantize("tiny", root / "w4g32", QuantizeOptions(scheme="W4A16", group_size=32, **FAST), progress=False)
+    quantize("tiny", root / "w4g32", QuantizeOptions(scheme="W4A16", group_size=32, **FAST))
     result = export_gguf(root / "w4g32", root / "tiny-q4_0.gguf", GGUFOptions())
     return root / "w4g32", result
 
@@ -200,8 +200,7 @@ def test_verify_reads_a_gguf_as_quant(tiny_q4):
 @pytest.mark.parametrize("scheme,method,qtype", [("W4A16", "gptq", T.Q4_0), ("W4A16_ASYM", "rtn", T.Q4_1),
                                                   ("W8A16", "rtn", T.Q8_0)])
 def test_llama_checkpoints_map_onto_their_block_types(llama_dir, tmp_path, scheme, method, qtype):
-    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme=scheme, method=method, group_size=32, **FAST),
-             progress=False)
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme=scheme, method=method, group_size=32, **FAST))
     result = export_gguf(tmp_path / "q", tmp_path / "q.gguf", GGUFOptions())
     assert result.file_type == qtype.name and result.arch == "llama"
     packed = [p for p in result.tensors if p.how == "packed"]
@@ -396,7 +395,7 @@ def test_gptq_export_of_a_llama(plain_llama_dir, tmp_path):
     assert result.tensors[-1].spec.name == "output.weight" and "output.weight" in result.gptq
     assert "round-to-nearest: token_embd.weight" in "\n".join(summary_lines(result))
     with pytest.raises(QuantshipError, match="already quantized"):
-        quantize(plain_llama_dir, tmp_path / "q", QuantizeOptions(group_size=32, **FAST), progress=False)
+        quantize(plain_llama_dir, tmp_path / "q", QuantizeOptions(group_size=32, **FAST))
         export_gguf(tmp_path / "q", tmp_path / "x.gguf", GGUFOptions(method="gptq"))
 
 
@@ -567,7 +566,7 @@ def test_block_scaled_fp8_checkpoint_is_requantized_from_its_values(plain_llama_
 
     if "FP8_BLOCK" not in PRESETS:
         pytest.skip("no FP8_BLOCK scheme in this tree")
-    quantize(plain_llama_dir, tmp_path / "fp8", QuantizeOptions(scheme="FP8_BLOCK", **FAST), progress=False)
+    quantize(plain_llama_dir, tmp_path / "fp8", QuantizeOptions(scheme="FP8_BLOCK", **FAST))
     result = export_gguf(tmp_path / "fp8", tmp_path / "fp8.gguf", GGUFOptions(type="Q8_0"))
     ours = _weights(Checkpoint(tmp_path / "fp8").load_model())
     theirs = _weights(GGUFCheckpoint(result.path).load_model())

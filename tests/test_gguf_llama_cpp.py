@@ -60,8 +60,7 @@ def _compare(path) -> dict:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_cpp")
-    quantize("tiny", root / "w4g32", QuantizeOptions(scheme="W4A16", group_size=32, samples=8, seq_len=128),
-             progress=False)
+    quantize("tiny", root / "w4g32", QuantizeOptions(scheme="W4A16", group_size=32, samples=8, seq_len=128))
     return {"f16": export_gguf("tiny", root / "tiny-f16.gguf", GGUFOptions(type="F16")).path,
             "q4_0": export_gguf(root / "w4g32", root / "tiny-q4_0.gguf", GGUFOptions()).path,
             "q4_k_m": export_gguf("tiny", root / "tiny-q4_k_m.gguf", GGUFOptions(type="Q4_K_M")).path}

@@ -88,7 +88,7 @@ def test_transformers_reads_the_fallback_groups(tmp_path, intermediate, expected
     model = _save(tmp_path / "m", "llama", hidden_size=256, intermediate_size=intermediate, num_hidden_layers=1,
                   num_attention_heads=4)
     out = tmp_path / "q"
-    recipe = quantize(model, out, QuantizeOptions(**FAST), progress=False)
+    recipe = quantize(model, out, QuantizeOptions(**FAST))
     assert recipe["group_fallbacks"] == {"model.layers.0.mlp.down_proj": expected}
     ours = Checkpoint(out).load_model()
     reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

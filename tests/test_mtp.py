@@ -33,7 +33,7 @@ def outputs(sources, tmp_path_factory):
     out = {}
     for name, (source, mode, method) in runs.items():
         out[name] = root / name
-        quantize(sources[source], out[name], QuantizeOptions(mtp=mode, method=method, **FAST), progress=False)
+        quantize(sources[source], out[name], QuantizeOptions(mtp=mode, method=method, **FAST))
     return out
 
 

@@ -193,8 +193,7 @@ def test_int4_matmulnbits_bit_exact_with_checkpoint(llama_dir, tmp_path, scheme,
     from quantship.models.loader import Checkpoint
     from quantship.quant.pipeline import QuantizeOptions, quantize
 
-    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme=scheme, method=method, group_size=group, **FAST),
-             progress=False)
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme=scheme, method=method, group_size=group, **FAST))
     result = export_onnx(tmp_path / "q", tmp_path / "onnx", OnnxOptions(type="int4"))
     assert result.linears == {"int4 from the checkpoint's integers": 14}
     graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
@@ -224,7 +223,7 @@ def test_int4_matmulnbits_bit_exact_with_checkpoint(llama_dir, tmp_path, scheme,
 def test_int4_refuses_other_grids(llama_dir, tmp_path, capsys):
     from quantship.quant.pipeline import QuantizeOptions, quantize
 
-    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme="W8A16", **FAST), progress=False)
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme="W8A16", **FAST))
     code = main(["export", str(tmp_path / "q"), "--format", "onnx", "-o", str(tmp_path / "o"), "--type", "int4"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "int4 export takes W4A16" in err and "8-bit" in err and len(err.splitlines()) == 1
@@ -263,7 +262,7 @@ def test_int8_dynamic_equals_our_w8a8(llama_dir, tmp_path):
     """A W8A8 checkpoint (int8 weights per channel, int8 activations per token) runs the same in ONNX Runtime."""
     from quantship.quant.pipeline import QuantizeOptions, quantize
 
-    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme="W8A8", **FAST), progress=False)
+    quantize(llama_dir, tmp_path / "q", QuantizeOptions(scheme="W8A8", **FAST))
     result = export_onnx(tmp_path / "q", tmp_path / "onnx", OnnxOptions(type="int8-dynamic"))
     assert result.linears == {"int8 from the checkpoint's integers": 14}
     graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
@@ -396,8 +395,7 @@ def test_qwen_fp32_and_int4_match_our_model(reference_dirs, tmp_path, name):
 
     shutil.copytree(source, tmp_path / "src")  # quantize wants a tokenizer; the reference models have none
     write_tokenizer("qwen2", tmp_path / "src", vocab_size=500)
-    quantize(tmp_path / "src", tmp_path / "w4", QuantizeOptions(scheme="W4A16", method="rtn", group_size=32, seq_len=64),
-             progress=False)
+    quantize(tmp_path / "src", tmp_path / "w4", QuantizeOptions(scheme="W4A16", method="rtn", group_size=32, seq_len=64))
     export_onnx(tmp_path / "w4", tmp_path / "int4", OnnxOptions(type="int4"))
     with torch.no_grad():
         dequantized = load_model(tmp_path / "w4")(ids).numpy()

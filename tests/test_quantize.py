@@ -27,7 +27,7 @@ def quants(tmp_path_factory):
     out = {}
     for scheme in ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC"):
         out[scheme] = root / scheme
-        quantize("tiny", out[scheme], QuantizeOptions(scheme=scheme, **FAST), progress=False)
+        quantize("tiny", out[scheme], QuantizeOptions(scheme=scheme, **FAST))
     return out
 
 
@@ -97,7 +97,7 @@ def test_transformers_reads_our_llama_quantization(llama_dir, tmp_path, scheme, 
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "q"
-    quantize(llama_dir, out, QuantizeOptions(scheme=scheme, method="gptq", actorder=actorder, **FAST), progress=False)
+    quantize(llama_dir, out, QuantizeOptions(scheme=scheme, method="gptq", actorder=actorder, **FAST))
     assert not any(n.endswith("weight_g_idx") for n in Checkpoint(out).files)  # static needs no g_idx
     ours = Checkpoint(out).load_model()
     reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -111,7 +111,7 @@ def test_awq_and_gptq_beat_rtn_and_8bit_beats_4bit(tmp_path):
     results = {}
     for scheme, method in (("W4A16", "rtn"), ("W4A16", "awq"), ("W4A16", "gptq"), ("W8A16", "rtn"), ("W8A8", "rtn")):
         out = tmp_path / f"{scheme}-{method}"
-        quantize("tiny", out, QuantizeOptions(scheme=scheme, method=method, samples=64, seq_len=256), progress=False)
+        quantize("tiny", out, QuantizeOptions(scheme=scheme, method=method, samples=64, seq_len=256))
         results[(scheme, method)] = quick_fidelity("tiny", out, max_tokens=8192)
     rtn = results[("W4A16", "rtn")]
     for method in ("awq", "gptq"):
@@ -125,8 +125,7 @@ def test_awq_and_gptq_beat_rtn_and_8bit_beats_4bit(tmp_path):
 
 def test_starved_experts_fall_back_with_finite_scales(tmp_path):
     out = tmp_path / "q"
-    recipe = quantize("tiny", out, QuantizeOptions(method="gptq", min_expert_tokens=10**9, samples=4, seq_len=128),
-                      progress=False)
+    recipe = quantize("tiny", out, QuantizeOptions(method="gptq", min_expert_tokens=10**9, samples=4, seq_len=128))
     assert len([f for f in recipe["fallbacks"] if ".mlp.experts." in f]) == 7 * 8 * 3
     assert set(recipe["tokens_per_expert"]) == {str(i) for i in range(1, 8)}
     assert sum(recipe["tokens_per_expert"]["1"]) == 4 * 128 * 2  # top-2: every token counted twice
@@ -194,5 +193,5 @@ def test_interrupted_run_leaves_no_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "_quantize_layer", failing)
     with pytest.raises(KeyboardInterrupt):
-        quantize("tiny", tmp_path / "out", QuantizeOptions(**FAST), progress=False)
+        quantize("tiny", tmp_path / "out", QuantizeOptions(**FAST))
     assert list(tmp_path.iterdir()) == []

@@ -45,7 +45,7 @@ def kb(key):
 from pathlib import Path
 load_tokenizer(Path(sys.argv[1]))
 base = kb('VmRSS')
-quantize(sys.argv[1], sys.argv[2], QuantizeOptions(method=sys.argv[3], samples=4, seq_len=64), progress=False)
+quantize(sys.argv[1], sys.argv[2], QuantizeOptions(method=sys.argv[3], samples=4, seq_len=64))
 print(json.dumps({"grown_kb": kb('VmHWM') - base}))
 """
 

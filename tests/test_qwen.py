@@ -71,7 +71,7 @@ def qwen(tmp_path_factory):
     for kind in SHAPES:
         base = _save_qwen(kind, tmp_path_factory.mktemp(kind))
         quant = tmp_path_factory.mktemp(kind + "-awq") / "w4a16"
-        quantize(base, quant, QuantizeOptions(scheme="W4A16", method="awq", **FAST), progress=False)
+        quantize(base, quant, QuantizeOptions(scheme="W4A16", method="awq", **FAST))
         out[kind] = (base, quant)
     return out
 

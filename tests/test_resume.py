@@ -33,7 +33,7 @@ def _same_output(a, b):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     out = tmp_path_factory.mktemp("clean") / "q"
-    quantize("tiny", out, QuantizeOptions(**GPTQ), progress=False)
+    quantize("tiny", out, QuantizeOptions(**GPTQ))
     return out
 
 
@@ -55,15 +55,17 @@ def test_interrupted_then_resumed_equals_uninterrupted(clean, tmp_path, monkeypa
     out = tmp_path / "q"
     _interrupt_after(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
-        quantize("tiny", out, QuantizeOptions(**GPTQ), progress=False)
+        quantize("tiny", out, QuantizeOptions(**GPTQ))
     partial = tmp_path / ".q.partial"
     assert not out.exists() and partial.is_dir()
     assert not (partial / "config.json").exists()  # nothing there looks like a finished checkpoint
     assert json.loads((partial / "resume" / "state.json").read_text())["next_layer"] == 3
     assert "3 of 8 layers are kept" in capsys.readouterr().err
     monkeypatch.undo()
-    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True), progress=False)
+    steps = []
+    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True), progress=lambda *a: steps.append(a))
     assert recipe["resumed_from_layer"] == 3 and not partial.exists()
+    assert steps == [("quantize", 8, 3)] + [()] * 5  # the progress callback starts at the resumed layer
     _same_output(clean, out)
 
 
@@ -71,10 +73,10 @@ def test_a_changed_setting_is_refused_with_its_name(tmp_path, monkeypatch, capsy
     out = tmp_path / "q"
     _interrupt_after(monkeypatch, 1)
     with pytest.raises(KeyboardInterrupt):
-        quantize("tiny", out, QuantizeOptions(**GPTQ), progress=False)
+        quantize("tiny", out, QuantizeOptions(**GPTQ))
     monkeypatch.undo()
     with pytest.raises(QuantshipError, match="--resume refused: dampening was 0.01 in the interrupted run, now 0.05"):
-        quantize("tiny", out, QuantizeOptions(**GPTQ, dampening=0.05, resume=True), progress=False)
+        quantize("tiny", out, QuantizeOptions(**GPTQ, dampening=0.05, resume=True))
     capsys.readouterr()
     assert main(["quantize", "-o", str(out), "--method", "awq", "--samples", "4", "--seq-len", "64", "--resume",
                  "--quiet"]) == 2
@@ -82,7 +84,7 @@ def test_a_changed_setting_is_refused_with_its_name(tmp_path, monkeypatch, capsy
     assert "method was 'gptq' in the interrupted run, now 'awq'" in err and len(err.strip().splitlines()) == 1
     assert (tmp_path / ".q.partial" / "resume" / "state.json").is_file()  # a refusal keeps what was kept
     # Without --resume the same output starts over.
-    quantize("tiny", out, QuantizeOptions(samples=4, seq_len=64), progress=False)
+    quantize("tiny", out, QuantizeOptions(samples=4, seq_len=64))
     assert out.is_dir() and not (tmp_path / ".q.partial").exists()
 
 
@@ -108,7 +110,7 @@ def test_killed_process_resumes_to_the_same_bytes(clean, tmp_path):
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert not out.exists()
-    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True), progress=False)
+    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True))
     assert recipe["resumed_from_layer"] >= 2
     _same_output(clean, out)
 
@@ -119,5 +121,5 @@ def test_rtn_runs_no_calibration_pass(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "_run", forbidden)
     monkeypatch.setattr(pipeline, "collect_stats", forbidden)
-    recipe = quantize("tiny", tmp_path / "q", QuantizeOptions(samples=4, seq_len=64), progress=False)
+    recipe = quantize("tiny", tmp_path / "q", QuantizeOptions(samples=4, seq_len=64))
     assert recipe["calibration"] == {} and recipe["tokens_per_expert"] == {}

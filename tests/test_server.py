@@ -304,7 +304,7 @@ def test_expert_stats_count_every_routed_token_when_asked(async_engine):
 @pytest.fixture(scope="module")
 def w4a16(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "tiny-w4a16"
-    quantize("tiny", out, QuantizeOptions(scheme="W4A16", samples=4, seq_len=64), progress=False)
+    quantize("tiny", out, QuantizeOptions(scheme="W4A16", samples=4, seq_len=64))
     return out
 
 

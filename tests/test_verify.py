@@ -85,7 +85,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for scheme in ("W8A16", "W4A16", "W2A16"):
         out[scheme] = root / scheme
-        quantize("tiny", out[scheme], QuantizeOptions(scheme=scheme, **FAST), progress=False)
+        quantize("tiny", out[scheme], QuantizeOptions(scheme=scheme, **FAST))
     return out
 
 

@@ -158,7 +158,14 @@ def cmd_quantize(args) -> int:
         from quantship.quant.plan import read_plan
 
         opts.plan = read_plan(args.plan)
-    recipe = quantize(args.model, args.output, opts, progress=not args.quiet)
+    if args.quiet:
+        recipe = quantize(args.model, args.output, opts)
+    else:
+        from quantship.progress import layer_bar
+
+        bar, step = layer_bar()
+        with bar:
+            recipe = quantize(args.model, args.output, opts, progress=step)
     if not recipe:  # a helper process of a torchrun group: rank 0 writes and reports
         return 0
     if args.json:
@@ -186,51 +193,10 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def _progress_lines(console, every_s: float = 10.0):
-    """Progress as plain lines, at most one per every_s per stage: with output redirected (a log, CI)
-    a bar prints nothing, and minutes of silence look like a hang."""
-    import contextlib
-    import time
-
-    state = {"name": "", "total": 0, "done": 0, "shown": 0.0}
-
-    def step(name=None, total=None):
-        now = time.monotonic()
-        if name is not None:
-            state.update(name=name, total=total, done=0, shown=now)
-            console.print(f"{name}: 0/{total}", highlight=False)
-            return
-        state["done"] += 1
-        if state["done"] == state["total"] or now - state["shown"] >= every_s:
-            state["shown"] = now
-            console.print(f"{state['name']}: {state['done']}/{state['total']}", highlight=False)
-
-    return contextlib.nullcontext(), step
-
-
-def _progress_callback(console):
-    """A rich progress bar driven by verify's step(name, total) / step() calls (lines when not on a terminal)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    if not console.is_terminal:
-        return _progress_lines(console)
-
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=console, transient=True)
-    state = {}
-
-    def step(name=None, total=None):
-        if name is not None:
-            state["task"] = bar.add_task(name, total=total)
-        else:
-            bar.advance(state["task"])
-
-    return bar, step
-
-
 def cmd_verify(args) -> int:
     from rich.console import Console
 
+    from quantship.progress import progress_bar
     from quantship.verify.report import write_report
     from quantship.verify.run import VerifyOptions, verify
 
@@ -238,7 +204,7 @@ def cmd_verify(args) -> int:
     opts = VerifyOptions(text=args.text, ctx=args.ctx, max_tokens=args.max_tokens, gates=args.gate,
                          sensitivity=not args.no_sensitivity, generations=not args.no_generations, device=args.device)
     check_output_location(args.report / "report.json", "report")
-    bar, step = _progress_callback(console)
+    bar, step = progress_bar(console)
     with bar:
         report = verify(args.base, args.quant, opts, progress=step)
     paths = write_report(report, args.report)
@@ -389,6 +355,7 @@ def cmd_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from quantship.progress import layer_bar
     from quantship.quant.pipeline import QuantizeOptions, quantize
     from quantship.verify.compare import quick_fidelity
 
@@ -406,8 +373,10 @@ def cmd_demo(args) -> int:
     for scheme, method in (("W4A16", "rtn"), ("W4A16", "gptq"), ("W4A16", "awq"), ("W8A16", "rtn")):
         out = work / f"tiny-{scheme.lower()}-{method}"
         console.rule(f"[bold]quantship quantize tiny -o {out} --scheme {scheme} --method {method}")
-        recipe = quantize("tiny", out, QuantizeOptions(scheme=scheme, method=method, samples=64, seq_len=256,
-                                                       overwrite=True))
+        bar, step = layer_bar()
+        with bar:
+            recipe = quantize("tiny", out, QuantizeOptions(scheme=scheme, method=method, samples=64, seq_len=256,
+                                                           overwrite=True), progress=step)
         r = quick_fidelity("tiny", out, max_tokens=8192)
         table.add_row(out.name, f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.1%}", f"{r['ppl_base']:.2f}",
                       f"{r['ppl_quant']:.2f}", f"{recipe['seconds']:.0f}")

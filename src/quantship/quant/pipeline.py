@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,11 +46,32 @@ from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignore
 from quantship.quantized_tensor import QuantizedTensor
 from quantship.files import check_output_location, publish_directory
 
-METHODS = ("rtn", "awq", "gptq")
 CLIP_ROWS = 512  # input rows per Linear that AWQ's clipping search looks at
 RECIPE_FILE = "quantship_recipe.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a --method does to each layer: AWQ's transform (per-channel scales searched and folded, weights
+    clipped) first, then RTN or GPTQ rounding. FP8 blocks are always rounded to nearest (data-free)."""
+
+    name: str
+    awq: bool = False  # search and fold per-channel scales, clip, before rounding
+    gptq: bool = False  # round with GPTQ (needs each Linear's input Hessian); otherwise to nearest
+
+    @property
+    def calibrated(self) -> bool:
+        """Runs the calibration text through the layers (RTN rounds each weight alone: no forward pass)."""
+        return self.awq or self.gptq
+
+    @property
+    def kept_rows(self) -> int:
+        return CLIP_ROWS if self.awq else 0  # input rows per Linear kept for AWQ's clipping search
+
+
+METHODS = {m.name: m for m in (Method("rtn"), Method("awq", awq=True), Method("gptq", gptq=True))}
 
 
 @dataclass
@@ -78,6 +100,7 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
         raise QuantshipError("model is already quantized (config.json has a quantization_config)", ck.path)
     if opts.method not in METHODS:
         raise QuantshipError(f"unknown method {opts.method!r}; choose one of {', '.join(METHODS)}")
+    method = METHODS[opts.method]
     if opts.actorder == "group":
         # GPTQ here supports it (weight_g_idx), but compressed-tensors 0.20 rejects actorder "group"
         # in config.json, and with it every reader built on that library (transformers, vLLM).
@@ -85,11 +108,11 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
                              ">= 0.20 and the tools built on it; use --actorder static")
     if opts.actorder not in (None, "static"):
         raise QuantshipError("--actorder must be static")
-    if opts.actorder and opts.method != "gptq":
+    if opts.actorder and not method.gptq:
         raise QuantshipError("--actorder applies to --method gptq only")
     if opts.mtp not in M.MTP_MODES:
         raise QuantshipError(f"unknown --mtp {opts.mtp!r}; choose one of {', '.join(M.MTP_MODES)}")
-    if opts.plan is None and get_scheme(opts.scheme).weights.strategy == "block" and opts.method != "rtn":
+    if opts.plan is None and get_scheme(opts.scheme).weights.strategy == "block" and method.calibrated:
         raise QuantshipError("FP8_BLOCK is data-free (each block rounded to nearest); use --method rtn")
     if out.exists() and not opts.overwrite:
         raise QuantshipError("output directory exists (pass --overwrite to replace it)", out)
@@ -177,7 +200,8 @@ def _round(weight: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
 def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
                       stats: LayerStats, fallbacks: list[str], workers: Workers) -> dict[str, QuantizedTensor]:
     # FP8 blocks are always rounded (data-free, as llm-compressor's FP8_BLOCK); a method applies to the rest.
-    rounded = {n for n, s in schemes.items() if opts.method != "gptq" or s.weights.strategy == "block"}
+    gptq = METHODS[opts.method].gptq
+    rounded = {n for n, s in schemes.items() if not gptq or s.weights.strategy == "block"}
     out = {n: _round(weights[n], schemes[n]) for n in rounded}
     weights = {n: w for n, w in weights.items() if n not in rounded}
     if not weights:
@@ -243,12 +267,13 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
                     chosen: dict[str, Scheme], opts: QuantizeOptions, writer: ShardWriter,
                     out_dtype: torch.dtype, workers: Workers) -> dict:
     """Calibrate, quantize and write one layer, leaving it quantized in place for the next layer's inputs."""
+    method = METHODS[opts.method]
     schemes = {n: chosen[prefix + n] for n in linear_names(layer) if prefix + n in chosen}
     fallbacks: list[str] = []
     awq_report: dict[str, dict] = {}
     # AWQ searches and clips for the integer Linears; FP8 blocks are only rounded (folding still keeps them exact).
     searched = {n: s.weights for n, s in schemes.items() if s.weights.strategy != "block"}
-    if opts.method == "awq" and searched:
+    if method.awq and searched:
         from quantship.quant.awq import awq_layer
 
         report = awq_layer(layer, hidden, positions, searched, min_expert_tokens=opts.min_expert_tokens,
@@ -258,10 +283,9 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
     if hidden is None:  # RTN: nothing to measure
         stats = LayerStats()
     else:
-        stats = collect_stats(layer, hidden, positions, want_hessian=opts.method == "gptq",
-                              keep_rows=CLIP_ROWS if opts.method == "awq" else 0)
+        stats = collect_stats(layer, hidden, positions, want_hessian=method.gptq, keep_rows=method.kept_rows)
     weights = {n: layer.get_submodule(n).weight.data for n in schemes}
-    if opts.method == "awq":
+    if method.awq:
         weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
                    for n, w in weights.items()}
     quantized = _quantize_weights(weights, schemes, opts, stats, fallbacks, workers)
@@ -281,8 +305,13 @@ def _tensor_dtype(name: str, out_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith("e_score_correction_bias") else out_dtype
 
 
-def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, progress: bool = True) -> dict:
-    """Quantize MODEL into OUT; returns the recipe (also written to OUT/quantship_recipe.json)."""
+def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions,
+             progress: Callable[..., None] | None = None) -> dict:
+    """Quantize MODEL into OUT; returns the recipe (also written to OUT/quantship_recipe.json), or {} in a
+    helper process of a torchrun group (rank 0 writes).
+
+    progress: called as progress("quantize", layers, done) once the layers start (done > 0 when resuming),
+    then progress() after each decoder layer; the command line draws it."""
     started = time.time()
     path = resolve_model(model)
     ck = Checkpoint(path)
@@ -304,7 +333,7 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
         torch.backends.cuda.matmul.allow_tf32 = True
     if not workers.writes:  # another process (rank 0) writes; this one solves its share of each layer
         try:
-            _write_layers(ck, UnrecordedRun(), DiscardingWriter(), tokens, chosen, opts, workers, False, 0.0)
+            _write_layers(ck, UnrecordedRun(), DiscardingWriter(), tokens, chosen, opts, workers, _silent, 0.0)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             workers.close()
@@ -318,13 +347,13 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions, p
     clock = (run.state["tallies"]["seconds"] if run.state else 0.0) - started
     try:
         writer = ShardWriter(tmp)
-        tallies = _write_layers(ck, run, writer, tokens, chosen, opts, workers, progress, clock)
+        tallies = _write_layers(ck, run, writer, tokens, chosen, opts, workers, progress or _silent, clock)
         shards = writer.finish()
-        recipe = _write_config_and_recipe(ck, tmp, chosen, group_fallbacks, opts, shards, tallies, device)
-        recipe["calibration"] = calib_info if opts.method != "rtn" else {}
-        if run.resumed_from is not None:
-            recipe["resumed_from_layer"] = run.resumed_from
-        recipe["seconds"] = round(clock + time.time(), 2)
+        ignore = _ignore_list(ck, opts)
+        _write_config(ck, tmp, chosen, opts, ignore)
+        recipe = build_recipe(ck, opts, chosen, group_fallbacks, ignore, tallies, device=device, shards=shards,
+                              calibration=calib_info if METHODS[opts.method].calibrated else {},
+                              resumed_from=run.resumed_from, seconds=round(clock + time.time(), 2))
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
         run.finish()
         publish_directory(tmp, out)
@@ -354,9 +383,13 @@ def _settings(path: Path, ck: Checkpoint, calib_path: Path, opts: QuantizeOption
             "calib_sha256": file_digest(calib_path)}
 
 
+def _silent(*_args, **_kwargs) -> None:
+    pass
+
+
 def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens: torch.Tensor,
-                  chosen: dict[str, Scheme], opts: QuantizeOptions, workers: Workers, progress: bool,
-                  clock: float) -> dict:
+                  chosen: dict[str, Scheme], opts: QuantizeOptions, workers: Workers,
+                  progress: Callable[..., None], clock: float) -> dict:
     """Every decoder layer (and MTP layer) quantized and handed to the writer; returns the recipe's tallies.
 
     RTN rounds each weight alone, so it runs no calibration forward pass at all. clock + time.time() is
@@ -364,7 +397,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
     device = workers.device
     out_dtype = getattr(torch, ck.config.torch_dtype, torch.bfloat16)
     compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
-    calibrated = opts.method != "rtn"
+    calibrated = METHODS[opts.method].calibrated
     positions = torch.arange(tokens.shape[1], device=device)
     if run.state:
         hidden, tallies = run.restore(writer)
@@ -378,7 +411,9 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         del embed, outer
         writer.end_of_layer()
         tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
-    for index, layer in _progress(ck, progress, compute_dtype, device, run.next_layer):
+    progress("quantize", ck.config.num_hidden_layers, run.next_layer)
+    for index in range(run.next_layer, ck.config.num_hidden_layers):
+        layer = ck.layer(index, compute_dtype, device)
         done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype,
                                workers)
         if done["expert_tokens"]:
@@ -392,7 +427,8 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         _release_freed_memory()
         tallies["seconds"] = clock + time.time()
         run.record(index + 1, writer, hidden, tallies)
-    for index in ([] if opts.mtp == "drop" else ck.mtp_indices):
+        progress()
+    for index in _written_mtp_layers(ck, opts):
         if opts.mtp == "keep":
             M.copy_layer(ck, index, writer)
         else:
@@ -410,17 +446,28 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
     return tallies
 
 
-def _write_config_and_recipe(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme], group_fallbacks: dict[str, str],
-                             opts: QuantizeOptions, shards: int, tallies: dict, device: torch.device) -> dict:
-    mtp_layers = [] if opts.mtp == "drop" else ck.mtp_indices
-    groups, ignore = _config_groups(chosen), list(DEFAULT_IGNORE) + list(opts.ignore)
+def _written_mtp_layers(ck: Checkpoint, opts: QuantizeOptions) -> list[int]:
+    return [] if opts.mtp == "drop" else ck.mtp_indices
+
+
+def _ignore_list(ck: Checkpoint, opts: QuantizeOptions) -> list[str]:
+    """config.json's ignore list: the defaults, --ignore, and the MTP layer's own patterns."""
+    mtp_layers = _written_mtp_layers(ck, opts)
+    ignore = list(DEFAULT_IGNORE) + list(opts.ignore)
     if mtp_layers:
         ignore += list(M.MTP_IGNORE)
-    if mtp_layers and opts.mtp == "keep":
-        if ck.fp8_source is not None:
-            groups.insert(0, M.fp8_block_group(ck, mtp_layers))  # first: our reader takes the first match
-        else:
-            ignore += [M.layer_pattern(i) for i in mtp_layers]
+    if mtp_layers and opts.mtp == "keep" and ck.fp8_source is None:
+        ignore += [M.layer_pattern(i) for i in mtp_layers]
+    return ignore
+
+
+def _write_config(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme], opts: QuantizeOptions,
+                  ignore: list[str]) -> None:
+    """config.json with the quantization_config, and the tokenizer files."""
+    mtp_layers = _written_mtp_layers(ck, opts)
+    groups = _config_groups(chosen)
+    if mtp_layers and opts.mtp == "keep" and ck.fp8_source is not None:
+        groups.insert(0, M.fp8_block_group(ck, mtp_layers))  # first: our reader takes the first match
     config = dict(ck.config.raw)
     if "num_nextn_predict_layers" in config or mtp_layers:
         config["num_nextn_predict_layers"] = len(mtp_layers)
@@ -429,6 +476,13 @@ def _write_config_and_recipe(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme
     for name in TOKENIZER_FILES:
         if (ck.path / name).is_file():
             shutil.copy(ck.path / name, tmp / name)
+
+
+def build_recipe(ck: Checkpoint, opts: QuantizeOptions, chosen: dict[str, Scheme], group_fallbacks: dict[str, str],
+                 ignore: list[str], tallies: dict, *, device: torch.device, shards: int, calibration: dict,
+                 resumed_from: int | None, seconds: float) -> dict:
+    """What quantship_recipe.json records of a run: the settings, what each Linear got, and the tallies."""
+    mtp_layers = _written_mtp_layers(ck, opts)
     recipe = {
         "quantship_version": __version__,
         "source_model": str(ck.path.resolve()),
@@ -453,6 +507,10 @@ def _write_config_and_recipe(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme
                          "stored_as": _mtp_precision(ck, opts) if mtp_layers else "dropped"}
     if opts.plan is not None:
         recipe["plan"] = {n: s.name for n, s in chosen.items()}
+    recipe["calibration"] = calibration
+    if resumed_from is not None:
+        recipe["resumed_from_layer"] = resumed_from
+    recipe["seconds"] = seconds
     return recipe
 
 
@@ -476,20 +534,3 @@ def _release_freed_memory() -> None:
 def _assert_finite(q: QuantizedTensor, name: str) -> None:
     if not torch.isfinite(q.scale).all():
         raise RuntimeError(f"non-finite scale computed for {name}")  # a bug, not bad input
-
-
-
-def _progress(ck: Checkpoint, enabled: bool, dtype, device, start: int = 0):
-    layers = ck.config.num_hidden_layers
-    if not enabled:
-        yield from ((i, ck.layer(i, dtype, device)) for i in range(start, layers))
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    columns = (TextColumn("[bold]quantize"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
-               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("layers", total=layers, completed=start)
-        for i in range(start, layers):
-            yield i, ck.layer(i, dtype, device)
-            bar.advance(task)

@@ -54,7 +54,7 @@ def measure_units(model: str | Path | None, schemes: list[str], method: str = "r
         for scheme in schemes:
             out = work / scheme
             quantize(path, out, QuantizeOptions(scheme=scheme, method=method, calib=calib, samples=samples,
-                                                seq_len=seq_len, device=device), progress=False)
+                                                seq_len=seq_len, device=device))
             quant = Checkpoint(out).load_model(device=device)
             for r in S.measure(base, quant, measure_rows, device, progress=progress):
                 damage[r["module"]][scheme] = r["kl_mean"]
