@@ -292,35 +292,9 @@ def cmd_capacity(args) -> int:
     return 0
 
 
-def cmd_deploy(args) -> int:
-    if args.model == "validate":
-        from quantship.deploy.validate import K8S_VERSION, validate_dir
-
-        if not args.path:
-            raise QuantshipError("usage: quantship deploy validate DIR")
-        report = validate_dir(args.path)
-        for problem in report.problems:
-            print(problem)
-        for note in report.notes:
-            print(f"note: {note}")
-        kinds = ", ".join(f"{k} {n}" for k, n in sorted(report.kinds.items()))
-        verdict = f"{len(report.problems)} problem(s)" if report.problems else "valid"
-        print(f"{args.path}: {report.objects} objects in {report.files} files ({kinds}); {len(report.builds)} "
-              f"kustomize build(s); Kubernetes {K8S_VERSION} strict + custom schemas: {verdict}")
-        return 1 if report.problems else 0
-    if args.model == "verify":
-        from quantship.deploy.checksums import verify
-
-        verdict = verify(args.path or "tiny", args.sums, strict=args.strict)
-        print("\n".join(verdict.lines))
-        print(f"verdict: {'PASS' if verdict.ok else 'FAIL'}")
-        return 0 if verdict.ok else 1
+def cmd_deploy_generate(args) -> int:
     from quantship.deploy.generate import DeployOptions, generate, summary_lines
 
-    if args.path:
-        raise QuantshipError(f"unexpected argument {args.path!r} (validate and verify are the subcommands)")
-    if args.output is None:
-        raise QuantshipError("deploy MODEL needs -o DIR")
     opts = DeployOptions(engine=args.engine, gpu_type=args.gpu_type, gpus=args.gpus, replicas=args.replicas,
                          canary=args.canary, autoscaler=args.autoscaler, image=args.image,
                          max_model_len=args.max_model_len, load_mbps=args.load_bandwidth,
@@ -331,6 +305,30 @@ def cmd_deploy(args) -> int:
     result = generate(args.model, args.output, opts)
     print("\n".join(summary_lines(result)))
     return 0
+
+
+def cmd_deploy_validate(args) -> int:
+    from quantship.deploy.validate import K8S_VERSION, validate_dir
+
+    report = validate_dir(args.path)
+    for problem in report.problems:
+        print(problem)
+    for note in report.notes:
+        print(f"note: {note}")
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(report.kinds.items()))
+    verdict = f"{len(report.problems)} problem(s)" if report.problems else "valid"
+    print(f"{args.path}: {report.objects} objects in {report.files} files ({kinds}); {len(report.builds)} "
+          f"kustomize build(s); Kubernetes {K8S_VERSION} strict + custom schemas: {verdict}")
+    return 1 if report.problems else 0
+
+
+def cmd_deploy_verify(args) -> int:
+    from quantship.deploy.checksums import verify
+
+    verdict = verify(args.model, args.sums, strict=args.strict)
+    print("\n".join(verdict.lines))
+    print(f"verdict: {'PASS' if verdict.ok else 'FAIL'}")
+    return 0 if verdict.ok else 1
 
 
 def cmd_gate(args) -> int:
@@ -350,95 +348,9 @@ def cmd_gate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    import tempfile
+    from quantship.demo import run_demo
 
-    from rich.console import Console
-    from rich.table import Table
-
-    from quantship.progress import layer_bar
-    from quantship.quant.pipeline import QuantizeOptions, quantize
-    from quantship.verify.compare import quick_fidelity
-
-    console = Console()
-    console.rule("[bold]quantship info tiny")
-    cmd_info(argparse.Namespace(model="tiny", json=False))
-    for prompt in ("def fibonacci(n):", "ROMEO:"):
-        console.rule(f"[bold]quantship generate tiny --prompt {prompt!r} --max-tokens 48")
-        cmd_generate(argparse.Namespace(model="tiny", prompt=prompt, max_tokens=48, temperature=0.0,
-                                        top_p=1.0, seed=None, chat=False, device="cpu"))
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="quantship-demo-"))
-    table = Table(title="W4A16 g128 and W8A16 on the bundled model, held-out text (8K tokens)")
-    for column in ("checkpoint", "KL mean", "top-1 agreement", "ppl base", "ppl quant", "seconds"):
-        table.add_column(column, justify="right" if column != "checkpoint" else "left")
-    for scheme, method in (("W4A16", "rtn"), ("W4A16", "gptq"), ("W4A16", "awq"), ("W8A16", "rtn")):
-        out = work / f"tiny-{scheme.lower()}-{method}"
-        console.rule(f"[bold]quantship quantize tiny -o {out} --scheme {scheme} --method {method}")
-        bar, step = layer_bar()
-        with bar:
-            recipe = quantize("tiny", out, QuantizeOptions(scheme=scheme, method=method, samples=64, seq_len=256,
-                                                           overwrite=True), progress=step)
-        r = quick_fidelity("tiny", out, max_tokens=8192)
-        table.add_row(out.name, f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.1%}", f"{r['ppl_base']:.2f}",
-                      f"{r['ppl_quant']:.2f}", f"{recipe['seconds']:.0f}")
-    console.print(table)
-    console.print(f"checkpoints in {work}; llama.cpp's scale on Llama-3-8B: q8_0 KL 0.0014, q4_K_M 0.028, q4_0 0.072")
-    gptq = work / "tiny-w4a16-gptq"
-    report = work / "report-w4a16-gptq"
-    console.rule(f"[bold]quantship verify tiny {gptq} --report {report} --gate default")
-    code = cmd_verify(argparse.Namespace(base="tiny", quant=str(gptq), report=report, text=None, ctx=1024,
-                                         max_tokens=8192, gate="default", no_sensitivity=False,
-                                         no_generations=False, device="cpu", json=False))
-    console.print(f"open {report / 'report.html'} in a browser; gate verdict: {'PASS' if code == 0 else 'FAIL'}")
-    _demo_serve(console, gptq)
-    return 0
-
-
-def _demo_serve(console, model_dir: Path) -> None:
-    """Start a real server process on the quantized model, ask it one chat question, show its metrics."""
-    import socket
-    import subprocess
-    import time
-
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    console.rule(f"[bold]quantship serve {model_dir} --port {port}")
-    server = subprocess.Popen([sys.executable, "-m", "quantship.cli", "serve", str(model_dir), "--port", str(port),
-                               "--served-model-name", "tiny-w4a16"])
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise QuantshipError("the demo server did not become ready")
-            time.sleep(0.5)
-        # The bundled model is a 19M base model (code, docs, Shakespeare), not chat-tuned: a code
-        # opening is what it answers best, through the chat template like any client would send it.
-        question = "def fibonacci(n):"
-        body = {"model": "tiny-w4a16", "messages": [{"role": "user", "content": question}], "max_tokens": 64,
-                "temperature": 0}
-        console.print(f"POST {url}/v1/chat/completions  (user: {question!r}; a 19M base model, not chat-tuned)")
-        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
-        console.print(f"assistant: {answer['choices'][0]['message']['content']!r}")
-        console.print(f"usage: {answer['usage']}")
-        wanted = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc",
-                  "vllm:time_to_first_token_seconds_sum", "vllm:e2e_request_latency_seconds_sum")
-        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(wanted):
-                console.print(line, soft_wrap=True)
-    finally:
-        server.terminate()  # SIGTERM: the server drains and exits
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    return run_demo(args.workdir, run=main)
 
 
 EXAMPLES = {
@@ -497,6 +409,7 @@ EXAMPLES = {
         quantship deploy tiny -o k8s/ --gpus 0                   # CPU-only manifests for the bundled model
         quantship deploy /models/v3-w4a16 -o k8s/ --engine vllm --gpu-type NVIDIA-H200 --replicas 2:8 --canary
         quantship deploy v3-config-only/ -o k8s/ --engine vllm --autoscaler keda --size-gb 360   # config.json only
+        quantship deploy generate validate -o k8s/                # the same as `deploy MODEL`, for a MODEL named validate
         quantship deploy validate k8s/                            # exit 1 with file: object: field: problem
         quantship deploy verify /models/v3-w4a16 --sums k8s/      # SHA256SUMS + version check, exit 1 on mismatch
         quantship deploy verify /models/v3-w4a16 --sums k8s/ --strict   # unlisted extra files fail too
@@ -528,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help_text: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=_examples(name),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.set_defaults(func=func)
+        if func is not None:
+            p.set_defaults(func=func)
         return p
 
     p = add("info", "Describe a checkpoint: architecture, parameters, experts, size, quantization.", cmd_info)
@@ -703,14 +617,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode steps then run without CUDA graphs")
 
     p = add("deploy", "Kubernetes manifests for a served model (GPU scheduling, Guaranteed QoS, startup budget, "
-                      "queue autoscaling, canary), validated offline; `deploy validate DIR`, `deploy verify MODEL`.",
-            cmd_deploy)
-    p.usage = ("quantship deploy MODEL -o DIR [options] | quantship deploy validate DIR | "
-               "quantship deploy verify MODEL [--sums FILE|DIR]")
-    p.add_argument("model", metavar="MODEL|validate|verify",
-                   help="a model directory (or config.json-only description), 'tiny', or a subcommand")
-    p.add_argument("path", nargs="?", metavar="DIR|MODEL", help="for validate: the manifests; for verify: the model")
-    p.add_argument("-o", "--output", type=Path, metavar="DIR", help="directory to write (must not exist)")
+                      "queue autoscaling, canary), validated offline; `deploy validate DIR` checks them, "
+                      "`deploy verify MODEL` the model against its checksums. `quantship deploy MODEL -o DIR` is "
+                      "`deploy generate MODEL -o DIR`.", None)
+    deploy = p.add_subparsers(dest="deploy_command", metavar="SUBCOMMAND", required=True)
+
+    def add_deploy(name: str, help_text: str, func) -> argparse.ArgumentParser:
+        d = deploy.add_parser(name, help=help_text, description=help_text, epilog=_examples("deploy"),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        d.set_defaults(func=func)
+        return d
+
+    p = add_deploy("generate", "Write the manifests for MODEL into DIR (the default subcommand: "
+                               "`quantship deploy MODEL -o DIR`).", cmd_deploy_generate)
+    p.add_argument("model", metavar="MODEL",
+                   help="a model directory (or config.json-only description), or 'tiny'")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="DIR", help="directory to write (must not exist)")
     p.add_argument("--engine", choices=["native", "vllm"], default="native", help="our image (default) or vllm/vllm-openai")
     p.add_argument("--gpu-type", default="NVIDIA-H100-80GB-HBM3", metavar="T", help="nvidia.com/gpu.product label value")
     p.add_argument("--gpus", type=integer(0, 8), metavar="N",
@@ -740,11 +662,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", metavar="RULES", help="canary rules for the AnalysisTemplate (default: the shipped ones)")
     p.add_argument("--ttft-slo", type=POSITIVE_FLOAT, default=2.0, metavar="S",
                    help="p99 TTFT alert threshold (default 2 s)")
-    p.add_argument("--sums", metavar="FILE|DIR", help="verify: SHA256SUMS, or the deploy directory holding it "
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+
+    p = add_deploy("validate", "Check every YAML file of DIR offline and strictly: exit 0 valid, 1 with problems.",
+                   cmd_deploy_validate)
+    p.add_argument("path", metavar="DIR", help="the manifests (what `deploy generate` wrote)")
+
+    p = add_deploy("verify", "Recheck MODEL against its SHA256SUMS and whether this quantship reads it: exit 0 PASS, "
+                             "1 FAIL.", cmd_deploy_verify)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL", help="the model directory (default tiny)")
+    p.add_argument("--sums", metavar="FILE|DIR", help="SHA256SUMS, or the deploy directory holding it "
                                                       "(default MODEL/SHA256SUMS)")
     p.add_argument("--strict", action="store_true",
-                   help="verify: a file present but not listed in SHA256SUMS fails (default: a warning)")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+                   help="a file present but not listed in SHA256SUMS fails (default: a warning)")
 
     p = add("capacity", "How many sequences of which length one GPU holds: weights per scheme, KV bytes per token, "
                         "the engine's overheads, the out-of-memory point, and a roofline's throughput-optimal batch.",
@@ -799,7 +729,18 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+DEPLOY_SUBCOMMANDS = ("generate", "validate", "verify")
+
+
+def _with_default_subcommand(argv: list[str]) -> list[str]:
+    """`quantship deploy MODEL ...` (no subcommand) is `quantship deploy generate MODEL ...`, as documented."""
+    if len(argv) >= 2 and argv[0] == "deploy" and argv[1] not in (*DEPLOY_SUBCOMMANDS, "-h", "--help"):
+        return ["deploy", "generate", *argv[1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _with_default_subcommand(list(sys.argv[1:] if argv is None else argv))
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
