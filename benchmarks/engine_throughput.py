@@ -45,7 +45,7 @@ def sync(device: str) -> None:
 
 def time_engine(model, prompts: list[list[int]], new_tokens: int, config) -> float:
     from quantship.engine.engine import LLMEngine
-    from quantship.engine.sampling import SamplingParams
+    from quantship.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(model, config)
     device = str(next(model.parameters()).device.type)
@@ -114,7 +114,7 @@ def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, s
     teacher-forced: the kernel path's top-1 at each position of the reference generation."""
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
-    from quantship.engine.sampling import SamplingParams
+    from quantship.engine.sampling_params import SamplingParams
     from quantship.models.quantized import PackedLinear
 
     ids = torch.randint(3, vocab, (prompts, 16)).tolist()

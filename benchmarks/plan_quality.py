@@ -28,7 +28,7 @@ from quantship.models.bundled import TINY_DIR  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
 from quantship.quant.scheme import get_scheme  # noqa: E402
-from quantship.verify.planning import measure_units, plan_from  # noqa: E402
+from quantship.verify.mixed_precision import measure_units, plan_from  # noqa: E402
 from quantship.verify.run import VerifyOptions, verify  # noqa: E402
 
 CALIB = dict(samples=64, seq_len=256)

@@ -13,7 +13,7 @@ from quantship.cli import main
 from quantship.errors import QuantshipError
 from quantship.models.bundled import TINY_DIR
 from quantship.models.fp8_block import dequantize_blocks
-from quantship.models.generate import generate_tokens
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import Checkpoint
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.verify.compare import quick_fidelity

@@ -18,7 +18,7 @@ import torch
 from quantship.formats.gguf import GGUFOptions, export_gguf
 from quantship.formats.gguf_read import GGUFCheckpoint
 from quantship.models.bundled import TINY_DIR
-from quantship.models.generate import generate_tokens
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from test_gguf import distills  # noqa: F401  (the fixture)

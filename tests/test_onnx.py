@@ -15,7 +15,7 @@ from quantship.formats import onnx as onnx_export
 from quantship.formats.onnx import OnnxOptions, export_onnx
 from quantship.formats.onnx_runtime import OnnxModel
 from quantship.models.bundled import TINY_DIR
-from quantship.models.generate import generate_tokens
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import load_model
 
 

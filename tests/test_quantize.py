@@ -173,8 +173,10 @@ def test_empty_and_short_calibration(tmp_path, capsys):
     assert not any(tmp_path.glob("o*"))
 
 
-def test_actorder_group_is_refused_with_a_reason(tmp_path, capsys):
-    _fails(["-o", str(tmp_path / "o"), "--method", "gptq", "--actorder", "group"], capsys, "use --actorder static")
+def test_actorder_group_is_not_offered(tmp_path, capsys):
+    _fails(["-o", str(tmp_path / "o"), "--method", "gptq", "--actorder", "group"], capsys, "invalid choice: 'group'")
+    with pytest.raises(QuantshipError, match="--actorder must be static"):
+        quantize("tiny", tmp_path / "o", QuantizeOptions(method="gptq", actorder="group"))
 
 
 def test_existing_output_and_already_quantized(quants, tmp_path, capsys):

@@ -14,9 +14,9 @@ from quantship.cli import main
 from quantship.engine.async_engine import AsyncEngine
 from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine, load_engine
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 from quantship.models.bundled import TINY_DIR
-from quantship.models.generate import generate_tokens
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import Checkpoint, load_model
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.server.app import create_app

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantship.engine.sampler import sample, sample_row
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 
 
 def test_seeded_draws_repeat_and_filters_hold():

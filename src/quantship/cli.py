@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from quantship.models.bundled import resolve_model
-    from quantship.models.generate import generate_tokens
+    from quantship.models.reference_loop import generate_tokens
     from quantship.models.loader import Checkpoint
     from quantship.models.tokenizer import eos_ids, load_tokenizer
 
@@ -241,7 +241,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from quantship.verify.planning import make_plan, write_plan
+    from quantship.verify.mixed_precision import make_plan, write_plan
 
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     plan = make_plan(args.model, args.budget_bits, schemes, out=args.output, method=args.method, calib=args.calib,
@@ -469,8 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"])
     p.add_argument("--group-size", type=int, choices=[32, 64, 128],
                    help="for W4A16* (default 128) and W8A16 (default per channel; 32 = llama.cpp's Q8_0 grid)")
-    p.add_argument("--actorder", choices=["static", "group"],
-                   help="GPTQ activation order: static (group is refused: current readers dropped g_idx)")
+    p.add_argument("--actorder", choices=["static"],
+                   help="GPTQ activation order: static, the most-activated columns first (act-order 'group' is not "
+                        "offered: compressed-tensors >= 0.20 and the readers built on it dropped weight_g_idx)")
     p.add_argument("--calib", type=Path, help="calibration .txt or .jsonl ({\"text\": ...} per line); "
                                               "default: the bundled calibration text")
     p.add_argument("--samples", type=POSITIVE, default=128, help="calibration samples (default 128)")

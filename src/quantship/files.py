@@ -3,6 +3,7 @@ half-written one behind. `what` names the file in every message ("evaluation tex
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -32,6 +33,15 @@ def file_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
+
+
+def sha256_file(path: Path) -> str:
+    """The file's SHA-256, hex, read in 1 MiB chunks (weights files are larger than memory may hold)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_atomic(path: Path, data: str | bytes, what: str) -> Path:

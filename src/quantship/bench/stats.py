@@ -16,7 +16,6 @@ from quantship.bench.client import RequestRecord
 from quantship.bench.load import StepResult
 from quantship.errors import QuantshipError
 
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 95, 99)
 SLO_NAMES = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2el", "e2e": "e2el"}
 _SLO_ITEM = re.compile(r"^\s*([a-z0-9]+)\s*[=:]\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")

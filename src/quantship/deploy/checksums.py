@@ -8,7 +8,6 @@ checkpoint's format and writer, in the `deploy` output directory (or in the mode
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -17,18 +16,11 @@ from quantship import __version__
 from quantship.deploy.model import checkpoint_identity, directory_files, model_files
 from quantship.deploy.versions import compatible
 from quantship.errors import QuantshipError
+from quantship.files import sha256_file
 from quantship.models.bundled import resolve_model
 
 SUMS_FILE = "SHA256SUMS"
 MANIFEST_FILE = "quantship-manifest.json"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def sums_text(model_dir: Path, files: list[str]) -> str:

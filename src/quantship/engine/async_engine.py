@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from quantship.engine.engine import EngineStats, LLMEngine, QueueFull, RequestOutput
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 from quantship.engine.sequence import RequestMetrics
 
 __all__ = ["AsyncEngine", "QueueFull", "RequestOutput", "RequestStream", "ShuttingDown"]

@@ -28,10 +28,6 @@ class BlockManager:
         self.hits = 0  # of which found
 
     @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
     def usage(self) -> float:
         return 1.0 - len(self.free) / self.num_blocks
 

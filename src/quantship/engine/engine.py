@@ -16,7 +16,7 @@ from quantship.engine.model_runner import ModelRunner
 from quantship.models.paged import kv_bytes_per_token
 from quantship.models.quantized import weight_bytes
 from quantship.engine.sampler import sample
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 from quantship.engine.scheduler import QueueFull, Scheduler
 from quantship.engine.sequence import RequestMetrics, Sequence, Status
 from quantship.engine.text import TextTracker

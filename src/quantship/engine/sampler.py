@@ -8,24 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
+from quantship.models.next_token import draw
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits [V] float32 → token id (a 0-d tensor on logits' device), with temperature, top-k and top-p."""
-    if params.temperature <= 0:
-        return logits.argmax()
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # the most likely token always stays
-        # A mask, not boolean indexing: indexing would wait for the device to count the kept tokens.
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return draw(logits, params.temperature, params.top_p, params.top_k, generator)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -19,7 +19,6 @@ into a temporary directory renamed into place at the end: a failure leaves nothi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ import onnx
 
 from quantship import __version__
 from quantship.errors import QuantshipError
-from quantship.files import check_output_location, publish_directory
+from quantship.files import check_output_location, publish_directory, sha256_file
 from quantship.formats.onnx_decoder import build_decoder, cache_names
 from quantship.formats.onnx_graph import Graph
 from quantship.formats.onnx_weights import TYPES, Encoder
@@ -170,15 +169,7 @@ def _write_side_files(ck: Checkpoint, directory: Path, kind: str, how: dict, cal
         if (ck.path / name).is_file():
             shutil.copyfile(ck.path / name, directory / name)
     files = sorted(p.name for p in directory.iterdir() if p.is_file())
-    (directory / SUMS_FILE).write_text("".join(f"{_sha256(directory / n)}  {n}\n" for n in files))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    (directory / SUMS_FILE).write_text("".join(f"{sha256_file(directory / n)}  {n}\n" for n in files))
 
 
 def is_onnx_export(path: str | Path) -> bool:

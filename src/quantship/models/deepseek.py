@@ -51,11 +51,8 @@ class MLAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
-        index: int = 0,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
     ) -> torch.Tensor:
-        if isinstance(cache, PagedBatch):
-            return self.forward_paged(x, positions, cache, index)
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
         q = self.queries(x).view(b, t, self.heads, -1).transpose(1, 2)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship.models.config import ModelConfig, RopeConfig, yarn_mscale
+from quantship.models.paged import PagedBatch
 
 
 class RMSNorm(nn.Module):
@@ -143,7 +144,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block; names match the checkpoints (input_layernorm, self_attn, ...)."""
+    """Pre-norm residual block; names match the checkpoints (input_layernorm, self_attn, ...).
+
+    Every attention has two paths: `forward` over a contiguous cache (or none), the simple loop's and
+    the quantizer's, and `forward_paged` over the engine's paged cache; the cache's kind picks one here."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -153,7 +157,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
+        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
+        index: int = 0,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, index)
+        attention = self.self_attn.forward_paged if isinstance(cache, PagedBatch) else self.self_attn
+        x = x + attention(self.input_layernorm(x), positions, cache, index)
         return x + self.mlp(self.post_attention_layernorm(x))

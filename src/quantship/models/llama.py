@@ -43,11 +43,8 @@ class GQAttention(nn.Module):
         return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
-        index: int = 0,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
     ) -> torch.Tensor:
-        if isinstance(cache, PagedBatch):
-            return self.forward_paged(x, positions, cache, index)
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
         q = self.rotary(self.split_heads(self.q_proj(x), self.heads, self.q_norm).transpose(1, 2), cos, sin)

@@ -62,6 +62,8 @@ def gptq_quantize_many(
         raise ValueError(f"GPTQ: Hessian shape {tuple(h.shape)} does not match weight in_features {n}")
     if not (torch.isfinite(w).all() and torch.isfinite(h).all()):
         raise ValueError("GPTQ: weight or Hessian contains NaN/inf")
+    if args.actorder not in (None, "static"):
+        raise ValueError(f"GPTQ: actorder must be None or 'static', got {args.actorder!r}")
     width = args.group_width(n)
     if n % width:
         raise ValueError(f"GPTQ: in_features {n} is not a multiple of group size {width}")
@@ -86,7 +88,7 @@ def gptq_quantize_many(
         zero = None if zero is None else zero.view(b, out, -1)
 
     perm = torch.arange(n, device=w.device).expand(b, n)
-    if args.actorder in ("static", "group"):
+    if args.actorder == "static":
         # Quantize the most-activated columns first, while there is most freedom left to absorb error.
         perm = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=-1, descending=True)
         w = w.gather(2, perm[:, None, :].expand(b, out, n))
@@ -127,11 +129,5 @@ def gptq_quantize_many(
 
     inv = torch.argsort(perm, dim=-1)
     q = q.gather(2, inv[:, None, :].expand(b, out, n))
-    results = []
-    for k in range(b):
-        g_idx = None
-        if grouped and args.actorder == "group":
-            g_idx = col_group[k][inv[k]].to(torch.int32)  # compressed-tensors' weight_g_idx
-        results.append(QuantizedTensor(store_values(q[k], args), scale[k],
-                                       None if zero is None else zero[k].to(torch.int8), args, g_idx))
-    return results
+    return [QuantizedTensor(store_values(q[k], args), scale[k], None if zero is None else zero[k].to(torch.int8), args)
+            for k in range(b)]

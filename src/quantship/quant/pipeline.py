@@ -40,11 +40,11 @@ from quantship.quant import mtp as M
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
 from quantship.quant.distributed import DiscardingWriter, UnrecordedRun, Workers, from_environment
 from quantship.quant.fp8_block import block_quantize
-from quantship.quant.resume import ResumableRun, file_digest, source_fingerprint
+from quantship.quant.resume import ResumableRun, source_fingerprint
 from quantship.quant.rtn import rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
 from quantship.quantized_tensor import QuantizedTensor
-from quantship.files import check_output_location, publish_directory
+from quantship.files import check_output_location, publish_directory, sha256_file
 
 CLIP_ROWS = 512  # input rows per Linear that AWQ's clipping search looks at
 RECIPE_FILE = "quantship_recipe.json"
@@ -101,13 +101,10 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
     if opts.method not in METHODS:
         raise QuantshipError(f"unknown method {opts.method!r}; choose one of {', '.join(METHODS)}")
     method = METHODS[opts.method]
-    if opts.actorder == "group":
-        # GPTQ here supports it (weight_g_idx), but compressed-tensors 0.20 rejects actorder "group"
-        # in config.json, and with it every reader built on that library (transformers, vLLM).
-        raise QuantshipError("--actorder group (weight_g_idx) is no longer readable by compressed-tensors "
-                             ">= 0.20 and the tools built on it; use --actorder static")
     if opts.actorder not in (None, "static"):
-        raise QuantshipError("--actorder must be static")
+        # Act-order "group" (a permuted weight_g_idx) is not offered: compressed-tensors >= 0.20 rejects it in
+        # config.json, and with it every reader built on that library (transformers, vLLM).
+        raise QuantshipError(f"--actorder must be static, got {opts.actorder!r}")
     if opts.actorder and not method.gptq:
         raise QuantshipError("--actorder applies to --method gptq only")
     if opts.mtp not in M.MTP_MODES:
@@ -380,7 +377,7 @@ def _settings(path: Path, ck: Checkpoint, calib_path: Path, opts: QuantizeOption
     chosen["calib"] = str(calib_path.resolve())
     return {**chosen, "source": str(path.resolve()), "quantship_version": __version__,
             "source_files": source_fingerprint(path, list(ck.files.values())),
-            "calib_sha256": file_digest(calib_path)}
+            "calib_sha256": sha256_file(calib_path)}
 
 
 def _silent(*_args, **_kwargs) -> None:

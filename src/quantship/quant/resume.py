@@ -28,14 +28,6 @@ STATE_DIR = "resume"
 LOCK_FILE = ".lock"
 
 
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def source_fingerprint(model_dir: Path, files: list[Path]) -> str:
     """config.json's bytes and each weight file's name, size and modification time: a changed source is noticed
     without hashing terabytes."""

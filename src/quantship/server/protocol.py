@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 
 
 class APIError(Exception):

@@ -14,7 +14,7 @@ from quantship.errors import QuantshipError
 from quantship.files import read_text_file
 from quantship.formats.gguf_read import GGUFCheckpoint, open_checkpoint
 from quantship.models.bundled import bundled_texts, resolve_model
-from quantship.models.generate import generate_tokens
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import Checkpoint
 from quantship.models.tokenizer import eos_ids, load_tokenizer
 from quantship.verify import evaluate as E

@@ -15,9 +15,6 @@ from torch import nn
 from quantship.models.deepseek import MoE
 from quantship.verify.metrics import token_kl
 
-GROUPS = ("attention", "dense_mlp", "experts", "shared_experts")
-
-
 def units(model) -> list[tuple[int, str, str]]:
     """(layer index, group, module path inside the layer) for every unit the model has."""
     out = []

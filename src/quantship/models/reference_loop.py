@@ -7,17 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from quantship.models.causal_lm import CausalLM
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < top_p  # always keeps the most likely token
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+from quantship.models.next_token import draw
 
 
 @torch.no_grad()
@@ -40,7 +30,7 @@ def generate_tokens(
         if cache.length + ids.shape[1] > limit:
             return
         logits = model(ids, cache=cache)[0, -1]
-        token = sample_next(logits.cpu(), temperature, top_p, generator)
+        token = int(draw(logits.cpu().float(), temperature, top_p, generator=generator))
         yield token
         if stop_ids and token in stop_ids:
             return

@@ -1,4 +1,4 @@
-"""What a request asks of generation, and how one next token is drawn."""
+"""What a request asks of generation: the sampling fields of an API request, checked."""
 
 from __future__ import annotations
 
