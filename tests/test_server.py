@@ -108,6 +108,23 @@ def test_completion_json_stream_and_token_prompt_agree(client, async_engine):
     assert all("usage" not in c for c in plain)
 
 
+def test_stats_are_a_snapshot_the_stepping_thread_took(client, async_engine, monkeypatch):
+    """/metrics and stats() read what the engine thread published between steps, never the engine's live
+    counters from another thread; a finished request is counted by the time its answer arrives."""
+    live = async_engine.engine.stats
+
+    def stepping_thread_only():
+        assert threading.current_thread().name == "quantship-engine", "engine.stats() read off the stepping thread"
+        return live()
+
+    monkeypatch.setattr(async_engine.engine, "stats", stepping_thread_only)
+    before = async_engine.stats().generation_tokens
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, **GREEDY}
+    assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 5
+    assert async_engine.stats().generation_tokens == before + 5
+    assert metric(client.get("/metrics").text, "vllm:generation_tokens_total", model_name="tiny") == before + 5
+
+
 def test_chat_uses_the_template_and_streams_the_same_answer(client, async_engine):
     tok = async_engine.engine.tokenizer
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list"}]

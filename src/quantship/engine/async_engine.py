@@ -73,6 +73,8 @@ class AsyncEngine:
         self.accepting = True
         self.step_started: float | None = None  # set while a step runs: /ready spots a hung engine
         self.error: BaseException | None = None
+        # The stepping thread replaces this after every step; readers get one consistent snapshot.
+        self._stats: EngineStats = engine.stats()
 
     # --- life cycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,7 +141,10 @@ class AsyncEngine:
         return bool(self._inbox) or self.engine.has_unfinished()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()  # plain reads of counters: safe enough for metrics without a lock
+        """The engine's counters as the stepping thread last left them: all from the same moment between
+        two steps (read here, on the event loop, they could mix the step before a change with the one after),
+        and never waiting for a step to end."""
+        return self._stats
 
     def expert_tokens(self) -> dict[int, list[int]] | None:
         """Per MoE layer, tokens routed to each expert (serve --expert-stats); read at scrape time. Counters
@@ -180,10 +185,12 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 outputs = self._take_inbox()
+                self._stats = self.engine.stats()  # new requests count as waiting while the step runs
                 if self.engine.has_unfinished():
                     self.step_started = time.monotonic()
                     outputs += self.engine.step()
                     self.step_started = None
+                self._stats = self.engine.stats()  # before delivery: a client that saw its end sees its counts
                 self._deliver(outputs)
                 if not self.engine.has_unfinished() and not self._inbox and not self._aborts:
                     self._wake.wait(timeout=1.0)

@@ -181,7 +181,7 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, now: float) -> RequestOutput:
-        seq.token_ids.append(token)
+        seq.append_token(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
         m = seq.metrics

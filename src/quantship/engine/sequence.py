@@ -66,6 +66,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.token_ids = list(prompt_ids)  # prompt + generated: preemption recomputes all of them
+        self.output_ids: list[int] = []  # generated only (read it, never change it: append_token does)
         self.params = params
         self.priority = priority
         self.deadline = deadline  # monotonic time after which the request is dropped
@@ -91,9 +92,9 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_ids.append(token)
 
     @property
     def is_prefilling(self) -> bool:
