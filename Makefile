@@ -28,6 +28,7 @@ demo: $(STAMP)
 	$(BIN)/quantship demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 # llama.cpp (through llama-cpp-python, compiled from source: ~30 min on 2 cores the first time, then

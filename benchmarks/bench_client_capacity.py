@@ -26,11 +26,11 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import table, update_section, write_result  # noqa: E402
-
 from quantship.bench.load import Step, Target, run_step  # noqa: E402
 from quantship.bench.prompts import Prompt  # noqa: E402
 from quantship.bench.stats import summarize  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
 
 RATES = (100, 200, 400, 700, 1000, 1400, 2000, 2800, 4000, 5600, 8000, 11000, 16000)
 OUTPUT_LENS = (1, 16)

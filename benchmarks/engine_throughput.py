@@ -304,9 +304,9 @@ def quick(out: Path) -> None:
 
 
 def kv_table() -> str:
-    from quantship.models.paged import cache_width, full_kv_width
     from quantship.models.bundled import TINY_DIR
     from quantship.models.config import load_config
+    from quantship.models.paged import cache_width, full_kv_width
 
     rows = []
     tiny = load_config(TINY_DIR)
@@ -330,8 +330,10 @@ def w4a16_section() -> list[str]:
              "The same random weights RTN-quantized to W4A16 g128 (symmetric), packed on the GPU, against bf16 in "
              "the same run, both with CUDA graphs, median of alternating runs. In this full run every W4A16 Linear "
              "went through the Triton tiles: PyTorch's tinygemm decode kernel was meant to take batch sizes up to "
-             "16 but silently fell back (its layout was built from a non-contiguous tensor; fixed and tested since).", "",
-             table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "W4 roofline tok/s", "of roofline"], rows), ""]
+             "16 but silently fell back (its layout was built from a non-contiguous tensor; fixed and tested "
+             "since).", "",
+             table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "W4 roofline tok/s", "of roofline"], rows),
+             ""]
     quick = RESULTS / "engine_quick_gpu.json"
     if quick.exists():
         q = json.loads(quick.read_text())
@@ -350,7 +352,8 @@ def w4a16_section() -> list[str]:
               f"{(r['weight_bytes'] - (w['weight_bytes'] - w['packed_linear_bytes'])) / 1e9:.1f} GB). The tinygemm "
               "decode layout, made on first use, adds a second copy of the int4 values (about the same again).", "",
               f"Greedy agreement, kernels against the dequantize + F.linear reference on the same W4A16 weights, 8 "
-              f"prompts x 512 steps: teacher-forced top-1 agreement {w['agreement']['teacher_forced_top1_agreement']:.1%}, "
+              f"prompts x 512 steps: teacher-forced top-1 agreement "
+              f"{w['agreement']['teacher_forced_top1_agreement']:.1%}, "
               f"identical prefixes {w['agreement']['identical_prefix_tokens']} tokens. Random weights give nearly flat "
               "next-token distributions, so bf16 rounding differences (cuBLAS on the transposed weight against "
               "F.linear) flip near-ties; the 99% goal needs a trained model of this size, which this machine "
@@ -362,7 +365,8 @@ def render() -> None:
     parts = ["## Serving engine: throughput and cache size", "",
              "Output tokens per second for N requests arriving together (equal prompt lengths, EOS ignored), "
              "against transformers' `generate` on the same weights at the same batch size, measured in the same "
-             "run (median of three alternating runs per side). `python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
+             "run (median of three alternating runs per side). "
+             "`python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
     for where in ("cpu", "gpu"):
         path = RESULTS / f"engine_throughput_{where}.json"
         if not path.exists():
@@ -373,13 +377,15 @@ def render() -> None:
         header += ["quantship eager tok/s", "roofline tok/s", "of roofline"] if gpu else []
         rows = []
         for row in r["rows"]:
-            cells = [row["batch"], f"{row['ours_tok_s']:.1f}", f"{row['transformers_tok_s']:.1f}", f"{row['ratio']:.2f}x"]
+            cells = [row["batch"], f"{row['ours_tok_s']:.1f}", f"{row['transformers_tok_s']:.1f}",
+                     f"{row['ratio']:.2f}x"]
             if gpu:
                 cells += [f"{row['eager_tok_s']:.1f}" if "eager_tok_s" in row else "-",
                           f"{row['roofline_tok_s']:.0f}", f"{row['of_roofline']:.0%}"]
             rows.append(cells)
         where_text = (f"{r.get('device')}, {r['model']} shape, random {r['dtype']} weights; roofline = batch x copy "
-                      f"bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s) / weight bytes ({r['weight_bytes'] / 1e9:.1f} GB)"
+                      f"bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s) / weight bytes "
+                      f"({r['weight_bytes'] / 1e9:.1f} GB)"
                       if gpu else f"CPU ({r['cpu_count']} cores), bundled model, {r['dtype']}")
         parts += [f"**{where_text}**; prompt {r['prompt_len']} tokens, {r['new_tokens']} generated per request.", "",
                   table(header, rows), ""]

@@ -22,11 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from _report import table, update_section, write_result  # noqa: E402
-from fp8_models import convert_to_fp8  # noqa: E402
 from loader_memory import write_checkpoint  # noqa: E402
 
 from quantship.models.bundled import TINY_DIR  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
+from fp8_models import convert_to_fp8  # noqa: E402
 
 SAMPLES, SEQ_LEN = 16, 256
 LAYERS = 4
@@ -87,7 +88,8 @@ def main() -> None:
     result["largest_layer_float32_bytes"] = layer_f32
     write_result("fp8_source_memory", result)
     update_section("fp8_source_memory", "## Quantizing an FP8 block source: memory and time against bf16\n\n"
-        f"`benchmarks/fp8_source_memory.py`: loader_memory.py's synthetic DeepSeek-V3-shaped checkpoint ({LAYERS} layers, "
+        "`benchmarks/fp8_source_memory.py`: loader_memory.py's synthetic DeepSeek-V3-shaped checkpoint "
+        f"({LAYERS} layers, "
         "16 experts, random weights, plus an MTP layer) as bf16 and converted to DeepSeek's FP8 block layout; W4A16 "
         f"on CPU, {SAMPLES} x {SEQ_LEN} calibration tokens, fresh processes, the lower of two alternating runs per "
         "side. Peak RSS above a baseline taken after the imports. The last column is the FP8 route's extra peak in "

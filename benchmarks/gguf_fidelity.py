@@ -28,16 +28,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import RESULTS, table, update_section, write_result  # noqa: E402
-
+from quantship.files import read_text_file  # noqa: E402
 from quantship.formats.gguf import GGUFOptions, export_gguf  # noqa: E402
 from quantship.formats.gguf_read import GGUFCheckpoint  # noqa: E402
 from quantship.models.bundled import TINY_DIR  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
 from quantship.models.tokenizer import load_tokenizer  # noqa: E402
-from quantship.files import read_text_file  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
 from quantship.verify import evaluate as E  # noqa: E402
+
+from _report import RESULTS, table, update_section, write_result  # noqa: E402
 
 CALIB = dict(samples=64, seq_len=256)
 CTX, TOKENS = 1024, 8192
@@ -101,7 +101,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     files, times = produce(work, "--with-checkpoint" in sys.argv)
     tokenizer = load_tokenizer(TINY_DIR)
-    ids = tokenizer(read_text_file(TINY_DIR / "eval.txt", "evaluation text"), add_special_tokens=False, verbose=False)["input_ids"]
+    text = read_text_file(TINY_DIR / "eval.txt", "evaluation text")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     rows = E.chunk_rows(ids, CTX, TOKENS)
     base = Checkpoint(TINY_DIR).load_model()
     models = {name: GGUFCheckpoint(path).load_model() for name, path in files.items()}

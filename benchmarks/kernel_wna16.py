@@ -203,7 +203,8 @@ def render() -> None:
              f"{r['copy_bandwidth'] / 1e9:.0f} GB/s (read + write). CUDA-graph replays over weight copies that "
              "leave the L2 cold. `python benchmarks/kernel_wna16.py run`.", "",
              table(["Linear (out x in)", "M", "bf16 F.linear GB/s", "W4A16 Triton GB/s", "W4A16 tinygemm GB/s",
-                    "W8A16 Triton GB/s", "Triton W4A16 speed-up over bf16", "Triton W4A16 of copy bandwidth"], rows), "",
+                    "W8A16 Triton GB/s", "Triton W4A16 speed-up over bf16", "Triton W4A16 of copy bandwidth"],
+                   rows), "",
              "Our Triton tiles reach 10-20% of the copy bandwidth at decode sizes, below bf16 cuBLAS; PyTorch's "
              "tinygemm (`torch._weight_int4pack_mm`, the kernel gpt-fast and torchao use) reaches 30-37% at M = 1 "
              "and 4, so PackedLinear sends int4 decode (up to 16 rows, bf16) there and keeps the Triton tiles for "

@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import table, update_section, write_result  # noqa: E402
-
 from quantship.models.causal_lm import CausalLM  # noqa: E402
 from quantship.models.config import config_from_dict  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
 
 CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 32000, "hidden_size": 1024,
@@ -103,10 +103,13 @@ def main() -> None:
     write_result("loader_memory", result)
     update_section("loader_memory", "## Streaming loader: peak memory\n\n"
         "`benchmarks/loader_memory.py`: a synthetic DeepSeek-V3-shaped checkpoint (random bf16), peak RSS above the "
-        "post-import baseline, in fresh processes. The floor is the largest decoder layer plus embeddings and lm_head.\n\n"
+        "post-import baseline, in fresh processes. The floor is the largest decoder layer plus embeddings and "
+        "lm_head.\n\n"
         + table(["mode", "peak MB", "× floor", "checkpoint MB", "floor MB"], [
-            ["stream (iter_layers)", f"{runs['stream'] / mb:.0f}", f"{result['stream_ratio_to_one_layer_plus_embeddings']:.2f}", f"{total / mb:.0f}", f"{floor / mb:.0f}"],
-            ["whole (load_model)", f"{runs['whole'] / mb:.0f}", f"{result['whole_ratio_to_one_layer_plus_embeddings']:.2f}", f"{total / mb:.0f}", f"{floor / mb:.0f}"],
+            ["stream (iter_layers)", f"{runs['stream'] / mb:.0f}",
+             f"{result['stream_ratio_to_one_layer_plus_embeddings']:.2f}", f"{total / mb:.0f}", f"{floor / mb:.0f}"],
+            ["whole (load_model)", f"{runs['whole'] / mb:.0f}",
+             f"{result['whole_ratio_to_one_layer_plus_embeddings']:.2f}", f"{total / mb:.0f}", f"{floor / mb:.0f}"],
         ]))
     print(json.dumps(result, indent=2))
 

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import table, update_section, write_result  # noqa: E402
-
 from quantship.formats.onnx import OnnxOptions, export_onnx  # noqa: E402
 from quantship.formats.onnx_runtime import OnnxModel  # noqa: E402
 from quantship.models.bundled import TINY_DIR  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
 
 THREADS = 2
 PROMPT, NEW, BATCHES, ROUNDS = 32, 33, (1, 8), 3
@@ -159,7 +159,8 @@ def main() -> None:
                     continue
                 rate = results[f"{key} | {batch}"]["decode_tok_s"]
                 ratio = f"{rate / reference:.2f}x" if reference else "–"
-                rows.append([kind, side, batch, f"{rate:.1f}", ratio, f"{p['mib']:.1f}" if side == "ONNX Runtime" else "–"])
+                size = f"{p['mib']:.1f}" if side == "ONNX Runtime" else "–"
+                rows.append([kind, side, batch, f"{rate:.1f}", ratio, size])
     write_result("onnx_throughput", {
         "threads": THREADS, "prompt_tokens": PROMPT, "new_tokens": NEW, "rounds": ROUNDS,
         "load_average": [load_before, load_after], "results": results, "not_run": skipped,

@@ -19,17 +19,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import table, update_section, write_result  # noqa: E402
-
 import torch  # noqa: E402
 
-from quantship.models.causal_lm import CausalLM  # noqa: E402
 from quantship.models.bundled import TINY_DIR  # noqa: E402
+from quantship.models.causal_lm import CausalLM  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
 from quantship.quant.scheme import get_scheme  # noqa: E402
 from quantship.verify.mixed_precision import measure_units, plan_from  # noqa: E402
 from quantship.verify.run import VerifyOptions, verify  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
 
 CALIB = dict(samples=64, seq_len=256)
 EVAL = VerifyOptions(ctx=1024, max_tokens=8192, sensitivity=False, generations=False, bootstrap=200)
@@ -79,7 +79,8 @@ def main() -> None:
                              "verify_seconds_per_1k_tokens": seconds / report["tokens"] * 1000}
             r = results[name]
             rows.append([name, f"{r['avg_bits']:.3f}", f"{r['kl_mean']:.4f}", f"{r['kl_p99']:.3f}",
-                         f"{r['top1_agreement']:.1%}", f"{r['kl_mean'] / results['uniform W4A16 g128']['kl_mean']:.2f}"])
+                         f"{r['top1_agreement']:.1%}",
+                         f"{r['kl_mean'] / results['uniform W4A16 g128']['kl_mean']:.2f}"])
     per_1k = sum(r["verify_seconds_per_1k_tokens"] for r in results.values()) / len(results)
     results["verify_seconds_per_1k_tokens_mean"] = per_1k
     write_result("plan_quality", results)

@@ -19,10 +19,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import table, update_section, write_result  # noqa: E402
 from loader_memory import CONFIG, write_checkpoint  # noqa: E402
 
 from quantship.models.bundled import TINY_DIR  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
 
 SAMPLES, SEQ_LEN = 16, 256
 
@@ -56,8 +57,10 @@ def main() -> None:
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
                 peak = (r["peak_kb"] - r["baseline_kb"]) * 1024
                 total = sum(sizes.values())
-                floor = max(v for k, v in sizes.items() if k != "outer") * 2 + 2 * SAMPLES * SEQ_LEN * CONFIG["hidden_size"] * 4
-                result[f"{method}_{layers}_layers"] = {"checkpoint_bytes": total, "peak_bytes": peak, "floor_bytes": floor}
+                activations = 2 * SAMPLES * SEQ_LEN * CONFIG["hidden_size"] * 4
+                floor = max(v for k, v in sizes.items() if k != "outer") * 2 + activations
+                result[f"{method}_{layers}_layers"] = {"checkpoint_bytes": total, "peak_bytes": peak,
+                                                       "floor_bytes": floor}
                 rows.append([method.upper(), layers, f"{total / mb:.0f}", f"{peak / mb:.0f}", f"{floor / mb:.0f}",
                              f"{peak / total:.2f}"])
     for method in ("rtn", "gptq"):

@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 SHAPES = {
     # deepseek-ai/deepseek-coder-6.7b-base config.json
-    "coder-6.7b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32256, "hidden_size": 4096,
-                   "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "coder-6.7b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32256,
+                   "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
                    "num_key_value_heads": 32, "max_position_embeddings": 16384, "rms_norm_eps": 1e-6,
                    "rope_theta": 100000, "rope_scaling": {"type": "linear", "factor": 4.0},
                    "torch_dtype": "bfloat16", "bos_token_id": 32013, "eos_token_id": 32014},
     # deepseek-ai/DeepSeek-V2-Lite config.json
-    "v2-lite": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
-                "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "v2-lite": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+                "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
                 "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
                 "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
                 "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
@@ -143,10 +143,10 @@ def run(args) -> None:
 
 
 def render(paths: list[str]) -> None:
-    from _report import table, update_section, write_result
-
     from quantship.models.causal_lm import build_layer
     from quantship.models.config import config_from_dict
+
+    from _report import table, update_section, write_result
 
     rows = []
     for p in paths:
@@ -170,8 +170,9 @@ def render(paths: list[str]) -> None:
         f"`benchmarks/quantize_speed.py` on one {r['device']} (torch {r['torch']}): random bf16 weights of the real "
         f"configs, W4A16 g128, {r['samples']} samples x {r['seq_len']} tokens of calibration. RTN runs the same "
         "streaming pipeline and calibration forward passes without the search, measured in the same run. The last "
-        "column is peak GPU memory over (the largest decoder layer in float32 + the calibration activations in float32). For scale, "
-        "llm-compressor's guide quotes about 30 minutes for GPTQ or AWQ on an 8B model on an A100 (not measured here).\n\n"
+        "column is peak GPU memory over (the largest decoder layer in float32 + the calibration activations in "
+        "float32). For scale, llm-compressor's guide quotes about 30 minutes for GPTQ or AWQ on an 8B model on an "
+        "A100 (not measured here).\n\n"
         + table(["checkpoint", "method", "minutes", "minutes, all layers (extrapolated)", "x RTN", "peak GPU GiB",
                  "peak / (layer + activations)"], rows))
 

@@ -30,11 +30,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import ROOT, table, update_section, write_result  # noqa: E402
-
 from quantship.bench.load import Step, Target, run_step  # noqa: E402
 from quantship.bench.prompts import load_bench_tokenizer, synthetic_prompts  # noqa: E402
 from quantship.bench.stats import summarize  # noqa: E402
+
+from _report import ROOT, table, update_section, write_result  # noqa: E402
 
 REFERENCE = "a436814"  # the last commit without tracing
 REQUESTS, STREAMS, INPUT_LEN, OUTPUT_LEN = 48, 8, 64, 32

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import table, update_section, write_result  # noqa: E402
-
 from quantship.models.bundled import TINY_DIR  # noqa: E402
+
+from _report import table, update_section, write_result  # noqa: E402
 
 
 def main() -> None:

@@ -52,9 +52,9 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import zipfile
 import time
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -599,7 +599,8 @@ def write_sources_md(path: Path, stats: dict, source_info: dict) -> None:
         lines.append(f"| {name} (whole split) | {s['documents']:,} | {s['bytes']:,} | {s['tokens']:,} |")
     for name in ("eval.txt", "calib.txt"):
         f = files[name]
-        lines.append(f"| `{name}` (excerpts of the {name[:-4]} split) | {f['documents']:,} | {f['bytes']:,} | {f['tokens']:,} |")
+        lines.append(f"| `{name}` (excerpts of the {name[:-4]} split) | {f['documents']:,} | {f['bytes']:,} "
+                     f"| {f['tokens']:,} |")
     lines += [
         "",
         "Training split by source:",
@@ -613,11 +614,13 @@ def write_sources_md(path: Path, stats: dict, source_info: dict) -> None:
     lines += [
         "",
         f"Tokenizer: byte-level BPE (`tokenizers`), vocabulary {tk['vocab_size']}, min frequency {MIN_FREQUENCY},",
-        f"specials {', '.join(f'`{s}` ({i})' for i, s in enumerate(SPECIAL_TOKENS))}; BOS is prepended to every sequence.",
+        f"specials {', '.join(f'`{s}` ({i})' for i, s in enumerate(SPECIAL_TOKENS))}; "
+        "BOS is prepended to every sequence.",
         f"Bytes per token on `eval.txt`: {tk['eval_bytes_per_token']:.3f}.",
         "",
         "`train.txt.xz` (not in the repository): "
-        f"{files['train.txt.xz']['bytes']:,} bytes compressed, {files['train.txt.xz']['uncompressed_bytes']:,} uncompressed;",
+        f"{files['train.txt.xz']['bytes']:,} bytes compressed, "
+        f"{files['train.txt.xz']['uncompressed_bytes']:,} uncompressed;",
         f"each document is followed by a line `{DOC_SEPARATOR}`.",
         "",
         "## Rebuilding",

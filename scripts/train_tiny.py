@@ -176,7 +176,8 @@ def main() -> None:
     tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     eval_path = args.eval_text or args.tokenizer / "eval.txt"
     eval_ids = torch.tensor(tok.encode(eval_path.read_text(encoding="utf-8")).ids, dtype=torch.int32)
-    print(f"tokenized {len(train_ids):,} train tokens, {len(eval_ids):,} held-out, in {time.time() - t0:.0f}s", flush=True)
+    print(f"tokenized {len(train_ids):,} train tokens, {len(eval_ids):,} held-out, in {time.time() - t0:.0f}s",
+          flush=True)
 
     config = config_from_dict(TINY_CONFIG)
     model = CausalLM(config)
@@ -233,7 +234,8 @@ def main() -> None:
         if step % 200 == 0:
             recent = sum(losses[-200:]) / len(losses[-200:])
             history.append({"step": step, "tokens": seen, "train_loss": recent, "minutes": (time.time() - start) / 60})
-            print(f"step {step} tokens {seen:,} loss {recent:.3f} lr {lr:.2e} {seen / (time.time() - start):,.0f} tok/s", flush=True)
+            print(f"step {step} tokens {seen:,} loss {recent:.3f} lr {lr:.2e} "
+                  f"{seen / (time.time() - start):,.0f} tok/s", flush=True)
 
     minutes = (time.time() - start) / 60
     train_loss = sum(losses[-200:]) / len(losses[-200:])

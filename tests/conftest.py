@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from reference_models import CONFIGS, save_reference  # noqa: E402
-
 from quantship.models.bundled import TINY_DIR  # noqa: E402
+
+from reference_models import CONFIGS, save_reference  # noqa: E402
 
 
 @pytest.fixture(scope="session")

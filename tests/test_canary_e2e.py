@@ -40,7 +40,8 @@ SERVERS = {
 }
 RULES = {"window": "5m", "rules": [
     {"name": "ttft_p99", "max_ratio": 3.0, "max_delta": 4.0,
-     "query": "histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{$selector}[$window])))"},
+     "query": "histogram_quantile(0.99, sum by (le) "
+              "(rate(vllm:time_to_first_token_seconds_bucket{$selector}[$window])))"},
     {"name": "error_rate", "max_delta": 0.02,
      "query": '(sum(rate(http_requests_total{$selector,handler=~"/v1/.*",status=~"5.."}[$window])) or vector(0))'
               ' / sum(rate(http_requests_total{$selector,handler=~"/v1/.*"}[$window]))'},

@@ -171,7 +171,8 @@ BROKEN = {
     "startup budget": (lambda o: _edit(o / "base" / "deployment.yaml", "failureThreshold: 4", "failureThreshold: 2"),
                        "startupProbe.failureThreshold: startup budget 20s (initialDelaySeconds + failureThreshold "
                        "× periodSeconds) is below the load estimate 23s"),
-    "service selects nothing": (lambda o: _edit(o / "base" / "service.yaml", "selector:\n    app.kubernetes.io/name: tiny",
+    "service selects nothing": (lambda o: _edit(o / "base" / "service.yaml",
+                                                "selector:\n    app.kubernetes.io/name: tiny",
                                                 "selector:\n    app.kubernetes.io/name: tinny"),
                                 "base/service.yaml: Service/tiny: spec.selector: selects no pods"),
     "rollout typo": (lambda o: _edit(o / "canary" / "rollout.yaml", "      steps:", "      stepz:"),
@@ -198,7 +199,8 @@ BROKEN = {
                      "spec.template.spec.containers[0].resources.limits.memory: 'lots' is not a valid quantity"),
     "drain blocked": (lambda o: _edit(o / "base" / "pdb.yaml", "maxUnavailable: 1", "maxUnavailable: 0"),
                       "base/pdb.yaml: PodDisruptionBudget/tiny: spec.maxUnavailable: 0 forbids every eviction"),
-    "negative probe period": (lambda o: _edit(o / "base" / "deployment.yaml", "periodSeconds: 10", "periodSeconds: -10"),
+    "negative probe period": (lambda o: _edit(o / "base" / "deployment.yaml", "periodSeconds: 10",
+                                              "periodSeconds: -10"),
                               "containers[0].startupProbe.periodSeconds: -10 is negative"),
 }
 
@@ -459,7 +461,8 @@ def _exposition(ttft: float, error_share: float, elapsed: float) -> str:
               "# TYPE http_requests_total counter",
               f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {n - int(n * error_share)}']
     if error_share:  # like prometheus-client, the 5xx series only exists after a first error
-        lines.append(f'http_requests_total{{handler="/v1/completions",method="POST",status="5xx"}} {int(n * error_share)}')
+        lines.append('http_requests_total{handler="/v1/completions",method="POST",status="5xx"} '
+                     f"{int(n * error_share)}")
     return "\n".join(lines) + "\n"
 
 

@@ -6,11 +6,11 @@ import torch
 
 from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine, QueueFull
-from quantship.models.paged import cache_width, full_kv_width
 from quantship.engine.sampling_params import SamplingParams
 from quantship.models.bundled import TINY_DIR
-from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import load_model
+from quantship.models.paged import cache_width, full_kv_width
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant.pipeline import QuantizeOptions, quantize
 

@@ -8,16 +8,17 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
-from fp8_models import convert_to_fp8
 from quantship.cli import main
 from quantship.errors import QuantshipError
 from quantship.models.bundled import TINY_DIR
 from quantship.models.fp8_block import dequantize_blocks
-from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import Checkpoint
+from quantship.models.reference_loop import generate_tokens
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.verify.compare import quick_fidelity
 from quantship.verify.run import VerifyOptions, verify
+
+from fp8_models import convert_to_fp8
 
 FAST = dict(samples=8, seq_len=128)
 
@@ -97,9 +98,9 @@ def test_quantize_then_verify_against_the_fp8_original(fp8, w4_from_fp8):
 
 
 def test_generate_and_serve_the_fp8_source(fp8, capsys):
+    from quantship.engine.async_engine import AsyncEngine
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import load_engine
-    from quantship.engine.async_engine import AsyncEngine
     from quantship.server.app import create_app
 
     assert main(["generate", str(fp8), "--prompt", "def add(a, b):", "--max-tokens", "8"]) == 0

@@ -5,8 +5,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
-from gguf import quants
+from gguf import GGMLQuantizationType as T, quants
 
 from quantship.cli import main
 from quantship.errors import QuantshipError
@@ -279,7 +278,8 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch)
     for args, words in [(["tiny", "--format", "gguf", "-o", existing], "exists"),
                         (["tiny", "--format", "gguf", "-o", tmp_path / "a.bin"], "must end in .gguf"),
                         ([tmp_path, "--format", "gguf", "-o", tmp_path / "b.gguf"], "no config.json"),
-                        (["tiny", "--format", "gguf", "-o", tmp_path / "c.gguf", "--type", "Q3_K"], "unknown GGUF type")]:
+                        (["tiny", "--format", "gguf", "-o", tmp_path / "c.gguf", "--type", "Q3_K"],
+                         "unknown GGUF type")]:
         code, err = run(*args)
         assert code == 2 and words in err and len(err.splitlines()) == 1, err
     # a failure after the header is written removes the partial file
@@ -403,9 +403,10 @@ def test_gptq_export_of_a_llama(plain_llama_dir, tmp_path):
 def mla_32(tmp_path_factory):
     """A small DeepSeek-V3 (MLA + MoE) whose no-rope head dim is 32, so attn_k_b's rows fit Q4_0 blocks,
     with a DeepSeek-V3-style tokenizer."""
-    from reference_models import CONFIGS
     from tokenizer_families import write_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reference_models import CONFIGS
 
     d = tmp_path_factory.mktemp("mla32")
     spec = dict(CONFIGS["deepseek_v3"], qk_nope_head_dim=32)
@@ -417,7 +418,6 @@ def mla_32(tmp_path_factory):
 
 def test_query_hessians_are_each_heads_no_rope_query():
     from quantship.formats.gguf_gptq import _QueryHessians
-
     from quantship.models.bundled import TINY_DIR
 
     attn = Checkpoint(TINY_DIR).layer(1, dtype=torch.float32).self_attn
@@ -509,10 +509,11 @@ def distills(tmp_path_factory):
     with the bundled tokenizer, from a fixed seed."""
     import shutil
 
-    from test_qwen import _save_qwen
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantship.models.bundled import TINY_DIR
+
+    from test_qwen import _save_qwen
 
     out = {kind: _save_qwen(kind, tmp_path_factory.mktemp(kind)) for kind in ("qwen2", "qwen3")}
     d = tmp_path_factory.mktemp("llama3")
@@ -549,9 +550,9 @@ def test_distill_architectures_round_trip(distills, tmp_path, kind, arch, marker
 def test_deepseek_fp8_source_exports_as_the_model_it_stands_for(tmp_path):
     """DeepSeek-V3/R1 as published (FP8 blocks + an MTP layer): the GGUF holds the dequantized weights,
     without the MTP layer (llama.cpp's converter drops it too)."""
-    from fp8_models import convert_to_fp8
-
     from quantship.models.bundled import TINY_DIR
+
+    from fp8_models import convert_to_fp8
 
     fp8 = convert_to_fp8(TINY_DIR, tmp_path / "fp8")
     result = export_gguf(fp8, tmp_path / "fp8.gguf", GGUFOptions(type="F16"))

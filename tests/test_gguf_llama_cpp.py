@@ -21,6 +21,7 @@ from quantship.models.bundled import TINY_DIR
 from quantship.models.reference_loop import generate_tokens
 from quantship.models.tokenizer import load_tokenizer
 from quantship.quant.pipeline import QuantizeOptions, quantize
+
 from test_gguf import distills  # noqa: F401  (the fixture)
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is installed by `make test-llama-cpp`")
@@ -104,7 +105,7 @@ def test_our_type_mix_is_llama_cpps(files, llama_dir, tmp_path, file_type):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama3"])
-def test_llama_cpp_runs_our_distill_architectures(distills, tmp_path, kind):
+def test_llama_cpp_runs_our_distill_architectures(distills, tmp_path, kind):  # noqa: F811 (the imported fixture)
     r = _compare(export_gguf(distills[kind], tmp_path / f"{kind}.gguf", GGUFOptions(type="F16")).path)
     assert r["kl"] < 1e-4 and r["greedy_same"], kind
 

@@ -23,7 +23,8 @@ def test_scaled_linear_equals_the_quantize_dequantize_reference(rows, out_featur
     layer = _fp8_dynamic_linear(out_features, in_features, seed=rows)
     assert layer.weight_values.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (out_features, 1)
     # Outliers in some rows: the per-row scales must keep the other rows' resolution.
-    x = torch.randn(2, rows, in_features, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, rows)[:, None]
+    x = torch.randn(2, rows, in_features, generator=torch.Generator().manual_seed(1))
+    x = x * torch.logspace(-2, 2, rows)[:, None]
     x = x.bfloat16()
     expected = layer(x.float())  # CPU: the same bf16 inputs, activations and weights dequantized, float32 matmul
     got = fp8.scaled_linear(x, layer.weight_values, layer.weight_scale, layer.bias.bfloat16())

@@ -66,7 +66,8 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
         gate, up, down = (dense_experts(experts, inter, hidden, g), dense_experts(experts, inter, hidden, g),
                           dense_experts(experts, hidden, inter, g))
     else:
-        gate, up, down = (packed_experts(experts, inter, hidden, g, *quant), packed_experts(experts, inter, hidden, g, *quant),
+        gate, up, down = (packed_experts(experts, inter, hidden, g, *quant),
+                          packed_experts(experts, inter, hidden, g, *quant),
                           packed_experts(experts, hidden, inter, g, *quant))
     weights, indices = routing(n, experts, top_k, seed=n + 1)
     expected = fused_moe.reference(x, gate, up, down, weights, indices)

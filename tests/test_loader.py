@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from quantship.cli import main
 from quantship.errors import QuantshipError
 from quantship.models.loader import Checkpoint
+
 from reference_models import build_reference
 
 

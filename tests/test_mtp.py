@@ -7,13 +7,14 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationScheme
 
-from fp8_models import convert_to_fp8
 from quantship.cli import main
 from quantship.models.bundled import TINY_DIR
 from quantship.models.fp8_block import Fp8BlockLinear
 from quantship.models.loader import Checkpoint
 from quantship.quant import mtp as M
 from quantship.quant.pipeline import QuantizeOptions, quantize
+
+from fp8_models import convert_to_fp8
 
 FAST = dict(samples=4, seq_len=64)
 MTP = 8  # the bundled model has 8 main layers: its MTP layer is model.layers.8, as V3's is 61

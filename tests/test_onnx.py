@@ -15,8 +15,8 @@ from quantship.formats import onnx as onnx_export
 from quantship.formats.onnx import OnnxOptions, export_onnx
 from quantship.formats.onnx_runtime import OnnxModel
 from quantship.models.bundled import TINY_DIR
-from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import load_model
+from quantship.models.reference_loop import generate_tokens
 
 
 def window(batch=2, length=40, seed=1):
@@ -51,7 +51,8 @@ def test_llama_layout_checker_and_files(llama_fp32):
     assert len(model.graph.input) == 3 + 2 * 2 and len(model.graph.output) == 1 + 2 * 2
     assert {o.domain or "ai.onnx": o.version for o in model.opset_import} == {"ai.onnx": 17}
     # weights live in the external data file, none inline beyond small constants
-    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer if t.name.endswith("weight"))
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL
+               for t in model.graph.initializer if t.name.endswith("weight"))
     files = {p.name for p in llama_fp32.iterdir()}
     assert {"model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "config.json",
             "quantship_onnx.json", "SHA256SUMS"} <= files
@@ -171,7 +172,8 @@ def nbits_dequantized(export_dir, node_name: str) -> np.ndarray:
     inits = {t.name: t for t in model.graph.initializer}
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     k, n = attrs["K"], attrs["N"]
-    tensors = [numpy_helper.from_array(numpy_helper.to_array(inits[name]), f"w{i}") for i, name in enumerate(node.input[1:])]
+    tensors = [numpy_helper.from_array(numpy_helper.to_array(inits[name]), f"w{i}")
+               for i, name in enumerate(node.input[1:])]
     single = helper.make_node("MatMulNBits", ["A", *(t.name for t in tensors)], ["Y"], domain="com.microsoft", **attrs)
     graph = helper.make_graph([single], "one", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [k, k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [k, n])], tensors)
@@ -316,9 +318,10 @@ def test_int8_static_scales_equal_onnxruntime_quantize_static(llama_dir, llama_f
                     quant_format=QuantFormat.QDQ, nodes_to_quantize=[n.name for n in linears], per_channel=True,
                     op_types_to_quantize=["MatMul"], activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                     use_external_data_format=True)
-    theirs = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "ort" / "model.onnx")).graph.initializer}
-    ours = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "ours" / "model.onnx")).graph.initializer}
-    our_nodes = {n.name: n for n in onnx.load(str(tmp_path / "ours" / "model.onnx"), load_external_data=False).graph.node}
+    theirs_model, ours_model = (onnx.load(str(tmp_path / side / "model.onnx")) for side in ("ort", "ours"))
+    theirs = {t.name: numpy_helper.to_array(t) for t in theirs_model.graph.initializer}
+    ours = {t.name: numpy_helper.to_array(t) for t in ours_model.graph.initializer}
+    our_nodes = {n.name: n for n in ours_model.graph.node}
     assert len(linears) == 14
     for node in linears:
         q = our_nodes[node.name.replace("/MatMul", "/input_QuantizeLinear")]
@@ -395,7 +398,8 @@ def test_qwen_fp32_and_int4_match_our_model(reference_dirs, tmp_path, name):
 
     shutil.copytree(source, tmp_path / "src")  # quantize wants a tokenizer; the reference models have none
     write_tokenizer("qwen2", tmp_path / "src", vocab_size=500)
-    quantize(tmp_path / "src", tmp_path / "w4", QuantizeOptions(scheme="W4A16", method="rtn", group_size=32, seq_len=64))
+    quantize(tmp_path / "src", tmp_path / "w4",
+             QuantizeOptions(scheme="W4A16", method="rtn", group_size=32, seq_len=64))
     export_onnx(tmp_path / "w4", tmp_path / "int4", OnnxOptions(type="int4"))
     with torch.no_grad():
         dequantized = load_model(tmp_path / "w4")(ids).numpy()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quantship.models.loader import Checkpoint
+
 from reference_models import CONFIGS
 
 SEQ = 200  # beyond original_max_position_embeddings (64) of the YaRN configs
@@ -30,8 +31,9 @@ def test_logits_match_transformers(reference_dirs, name):
 @pytest.mark.parametrize("name", ["deepseek_v3", "llama", "llama3"])
 def test_rope_scaling_is_exercised(reference_dirs, name):
     """Dropping the rope scaling must change the logits, or the parity test above proves nothing about it."""
-    from quantship.models.config import RopeConfig
     import dataclasses
+
+    from quantship.models.config import RopeConfig
 
     directory, reference = reference_dirs[name]
     ck = Checkpoint(directory)

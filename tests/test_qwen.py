@@ -16,8 +16,8 @@ from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine, load_engine
 from quantship.engine.sampling_params import SamplingParams
 from quantship.models.bundled import TINY_DIR
-from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import Checkpoint, load_model
+from quantship.models.reference_loop import generate_tokens
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.server.app import create_app
 from quantship.verify.run import VerifyOptions, verify

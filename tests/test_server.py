@@ -299,7 +299,8 @@ def test_expert_stats_count_every_routed_token_when_asked(async_engine):
     routed: dict[int, torch.Tensor] = {}
     moe_layers = {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "expert_tokens")}
     hooks = [moe.gate.register_forward_hook(
-        lambda _m, _i, out, i=i, n=len(moe.experts): routed.__setitem__(i, torch.bincount(out[1].flatten(), minlength=n)))
+        lambda _m, _i, out, i=i, n=len(moe.experts):
+            routed.__setitem__(i, torch.bincount(out[1].flatten(), minlength=n)))
         for i, moe in moe_layers.items()]
     try:
         with torch.inference_mode():

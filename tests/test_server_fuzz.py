@@ -11,8 +11,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from quantship.engine.async_engine import AsyncEngine
 from quantship.engine.config import EngineConfig
@@ -112,13 +111,14 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer",
                                  "content": st.one_of(texts, st.lists(part, max_size=2))})
 valid_completion = st.fixed_dictionaries(
     {"prompt": st.one_of(texts, token_ids, st.lists(texts, min_size=1, max_size=1))},
-    optional={**common, "max_tokens": st.one_of(st.none(), st.integers(1, 4)), "logprobs": st.sampled_from([None, 0, 1]),
-              "echo": st.just(False)})
+    optional={**common, "max_tokens": st.one_of(st.none(), st.integers(1, 4)),
+              "logprobs": st.sampled_from([None, 0, 1]), "echo": st.just(False)})
 valid_chat = st.fixed_dictionaries(
     {"messages": st.lists(message, min_size=1, max_size=3), "max_completion_tokens": st.integers(1, 4)},
     optional={**common, "logprobs": st.booleans(), "top_logprobs": st.sampled_from([None, 0])})
 # ... and the same bodies with one field (known, unknown or nested) replaced by junk or an edge value.
-edges = st.one_of(junk, st.integers(-2**70, 2**70), st.sampled_from([math.nan, math.inf, -math.inf, -1, 0, 2**63, 2**64]))
+edges = st.one_of(junk, st.integers(-2**70, 2**70),
+                  st.sampled_from([math.nan, math.inf, -math.inf, -1, 0, 2**63, 2**64]))
 FIELDS = [*common, "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
           "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias", "tools", "guided_regex",
           "repetition_penalty", "min_p", "x_unknown"]

@@ -49,8 +49,10 @@ def _describe_quantization(qc: dict | None) -> str:
         acts = group.get("input_activations")
         act = f", activations {acts.get('type')}{acts.get('num_bits')} per {acts.get('strategy')}" if acts else ""
         targets = ", ".join(group.get("targets", []))
-        parts.append(f"{kind} {detail} {sym}{act} on {targets if len(targets) < 40 else str(len(group['targets'])) + ' modules'}")
-    return f"{qc.get('quant_method')} {qc.get('format')}: " + "; ".join(parts) + f" (ignore: {', '.join(qc.get('ignore', []))})"
+        on = targets if len(targets) < 40 else f"{len(group['targets'])} modules"
+        parts.append(f"{kind} {detail} {sym}{act} on {on}")
+    ignore = ", ".join(qc.get("ignore", []))
+    return f"{qc.get('quant_method')} {qc.get('format')}: " + "; ".join(parts) + f" (ignore: {ignore})"
 
 
 def cmd_info(args) -> int:
@@ -68,13 +70,17 @@ def cmd_info(args) -> int:
     rows = [
         ("path", info["path"]),
         ("architecture", info["architecture"]),
-        ("parameters", f"{_human_count(info['parameters'])} total, {_human_count(info['active_parameters'])} active per token"),
+        ("parameters", f"{_human_count(info['parameters'])} total, "
+                       f"{_human_count(info['active_parameters'])} active per token"),
         ("layers", str(info["layers"])),
-        ("attention", info["attention"] + (f" (kv_lora_rank {info['mla']['kv_lora_rank']}, q_lora_rank {info['mla']['q_lora_rank']})" if "mla" in info else "")),
+        ("attention", info["attention"] + (f" (kv_lora_rank {info['mla']['kv_lora_rank']}, "
+                                           f"q_lora_rank {info['mla']['q_lora_rank']})" if "mla" in info else "")),
     ]
     if "moe" in info:
         m = info["moe"]
-        rows.append(("experts", f"{m['routed_experts']} routed (top-{m['experts_per_token']}, {m['scoring']}, {m['topk_method']}) + {m['shared_experts']} shared; {m['dense_layers']} dense layer(s) first"))
+        rows.append(("experts", f"{m['routed_experts']} routed (top-{m['experts_per_token']}, {m['scoring']}, "
+                                f"{m['topk_method']}) + {m['shared_experts']} shared; "
+                                f"{m['dense_layers']} dense layer(s) first"))
     if "mtp" in info:
         m = info["mtp"]
         found = (f"layer {', '.join(map(str, m['layers']))}, {_human_count(m['parameters'])} parameters"
@@ -82,7 +88,8 @@ def cmd_info(args) -> int:
         rows.append(("MTP", f"{m['declared']} multi-token-prediction layer(s): {found} (not run by verify/serve)"))
     rows += [
         ("dtype", info["dtype"]),
-        ("context", f"{info['max_position_embeddings']} tokens (rope {info['rope']['type']}, factor {info['rope']['factor']:g})"),
+        ("context", f"{info['max_position_embeddings']} tokens "
+                    f"(rope {info['rope']['type']}, factor {info['rope']['factor']:g})"),
         ("size on disk", f"{_human_bytes(info['size_bytes'])} in {info['shards']} shard(s)"),
         ("KV cache", f"{_human_bytes(info['kv_cache_bytes_per_token'])} per token in bf16"
                      + (f" (MLA latent; full K/V would be {_human_bytes(info['full_kv_bytes_per_token'])})"
@@ -101,8 +108,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from quantship.models.bundled import resolve_model
-    from quantship.models.reference_loop import generate_tokens
     from quantship.models.loader import Checkpoint
+    from quantship.models.reference_loop import generate_tokens
     from quantship.models.tokenizer import eos_ids, load_tokenizer
 
     if args.max_tokens < 1:
@@ -174,7 +181,8 @@ def cmd_quantize(args) -> int:
     calib = recipe["calibration"]
     resumed = f", resumed at layer {recipe['resumed_from_layer']}" if "resumed_from_layer" in recipe else ""
     print(f"wrote {args.output}: {', '.join(recipe['schemes_used'])} via {recipe['method']}, "
-          f"{recipe['quantized_linears']} Linear layers, {recipe['shards']} shard(s), {recipe['seconds']:.1f}s{resumed}")
+          f"{recipe['quantized_linears']} Linear layers, {recipe['shards']} shard(s), "
+          f"{recipe['seconds']:.1f}s{resumed}")
     if not calib:
         print("calibration: none run (RTN rounds each weight on its own)")
     else:
@@ -214,7 +222,8 @@ def cmd_verify(args) -> int:
         h, f = report["headline"], report["noise_floor"]
         print(f"{report['tokens']} tokens, ctx {report['ctx']}: KL mean {h['kl_mean']:.4f} "
               f"[{h['kl_mean_ci95'][0]:.4f}, {h['kl_mean_ci95'][1]:.4f}] (noise floor {f['kl_mean']:.4f}), "
-              f"p99 {h['kl_p99']:.3f}, top-1 {h['top1_agreement']:.1%}, ppl {h['ppl_base']:.3f} -> {h['ppl_quant']:.3f}, "
+              f"p99 {h['kl_p99']:.3f}, top-1 {h['top1_agreement']:.1%}, "
+              f"ppl {h['ppl_base']:.3f} -> {h['ppl_quant']:.3f}, "
               f"flips {h['flips_right_to_wrong']} right->wrong / {h['flips_wrong_to_right']} wrong->right")
         print("report: " + ", ".join(str(p) for p in paths.values()))
     gates = report.get("gates")
@@ -251,7 +260,8 @@ def cmd_plan(args) -> int:
     for unit in plan["units"]:
         counts[unit["scheme"]] = counts.get(unit["scheme"], 0) + 1
     print(f"wrote {args.output}: {plan['predicted_avg_bits']:.3f} bits per weight (budget {args.budget_bits}), "
-          f"predicted KL {plan['predicted_kl']:.4f}; units: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+          f"predicted KL {plan['predicted_kl']:.4f}; units: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"next: quantship quantize {args.model} -o OUT --plan {args.output}")
     return 0
 
@@ -272,7 +282,8 @@ def cmd_serve(args) -> int:
     from quantship.server.serve import ServeOptions, serve
 
     return serve(args.model, ServeOptions(
-        host=args.host, port=args.port, engine=args.engine, device=args.device, served_model_name=args.served_model_name,
+        host=args.host, port=args.port, engine=args.engine, device=args.device,
+        served_model_name=args.served_model_name,
         api_key=args.api_key, api_key_file=args.api_key_file, max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_fraction=args.kv_cache_fraction, prefix_caching=not args.no_prefix_caching,
@@ -365,7 +376,7 @@ EXAMPLES = {
     """,
     "quantize": """
         quantship quantize tiny -o tiny-w4a16 --scheme W4A16 --method gptq
-        quantship quantize /models/DeepSeek-V2-Lite -o v2lite-awq --method awq --device cuda --samples 128 --seq-len 2048
+        quantship quantize /models/DeepSeek-V2-Lite -o v2lite-awq --method awq --device cuda --seq-len 2048
         quantship quantize tiny -o tiny-w8a8 --scheme W8A8 --ignore 're:.*kv_b_proj$'
         quantship quantize tiny -o tiny-g64 --scheme W4A16_ASYM --group-size 64 --calib my.jsonl
     """,
@@ -376,11 +387,11 @@ EXAMPLES = {
     """,
     "export": """
         quantship export tiny --format gguf -o tiny-q4km.gguf                 # Q4_K_M, llama.cpp's mix of types
-        quantship export tiny-w4a16-g32 --format gguf -o tiny-q4_0.gguf        # lossless from a W4A16 group-32 checkpoint
+        quantship export tiny-w4a16-g32 --format gguf -o tiny-q4_0.gguf        # lossless from W4A16 group 32
         quantship export tiny --format gguf -o tiny-q4km-gptq.gguf --type Q4_K_M --method gptq
         quantship verify tiny tiny-q4km.gguf --report reports/q4km            # the file measured like any checkpoint
-        quantship export tiny --format onnx -o tiny-onnx                      # fp32 decoder with a KV cache for ONNX Runtime
-        quantship export tiny-w4a16 --format onnx -o tiny-onnx-int4 --type int4   # MatMulNBits from the checkpoint's integers
+        quantship export tiny --format onnx -o tiny-onnx                      # fp32 with a KV cache, for ONNX Runtime
+        quantship export tiny-w4a16 --format onnx -o tiny-onnx-int4 --type int4   # MatMulNBits from its integers
     """,
     "plan": """
         quantship plan tiny --budget-bits 5 -o plan.json
@@ -409,7 +420,7 @@ EXAMPLES = {
         quantship deploy tiny -o k8s/ --gpus 0                   # CPU-only manifests for the bundled model
         quantship deploy /models/v3-w4a16 -o k8s/ --engine vllm --gpu-type NVIDIA-H200 --replicas 2:8 --canary
         quantship deploy v3-config-only/ -o k8s/ --engine vllm --autoscaler keda --size-gb 360   # config.json only
-        quantship deploy generate validate -o k8s/                # the same as `deploy MODEL`, for a MODEL named validate
+        quantship deploy generate validate -o k8s/                # `deploy MODEL` for a MODEL named validate
         quantship deploy validate k8s/                            # exit 1 with file: object: field: problem
         quantship deploy verify /models/v3-w4a16 --sums k8s/      # SHA256SUMS + version check, exit 1 on mismatch
         quantship deploy verify /models/v3-w4a16 --sums k8s/ --strict   # unlisted extra files fail too
@@ -417,7 +428,8 @@ EXAMPLES = {
     "gate": """
         quantship gate canary --prometheus http://127.0.0.1:9090 --canary-selector 'job="canary"' \\
             --baseline-selector 'job="baseline"' --interval 30 --count 10 --failure-limit 2
-        quantship gate canary --prometheus http://prom:9090 --rules my-rules.yaml --json   # 0 promote, 1 roll back, 2 no data
+        quantship gate canary --prometheus http://prom:9090 --rules my-rules.yaml --json   # as JSON
+        # exit 0 promote, 1 roll back, 2 inconclusive (no data)
     """,
     "demo": """
         quantship demo                       # offline, CPU: a few minutes (about four on two idle cores)
@@ -465,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="OUT", help="output directory")
     p.add_argument("--scheme", default="W4A16",
-                   help="W4A16 (default), W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK (W3A16/W2A16 only to test gates)")
+                   help="W4A16 (default), W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK "
+                        "(W3A16/W2A16 only to test gates)")
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"])
     p.add_argument("--group-size", type=int, choices=[32, 64, 128],
                    help="for W4A16* (default 128) and W8A16 (default per channel; 32 = llama.cpp's Q8_0 grid)")
@@ -481,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep these modules unquantized: names or 're:' regexes (lm_head and routers always)")
     p.add_argument("--dampening", type=number(0, 1, lo_open=True), default=0.01,
                    help="GPTQ dampening fraction (default 0.01)")
-    p.add_argument("--plan", type=Path, help="mixed-precision plan from 'quantship plan' (overrides --scheme per module)")
+    p.add_argument("--plan", type=Path,
+                   help="mixed-precision plan from 'quantship plan' (overrides --scheme per module)")
     p.add_argument("--mtp", default="keep", choices=["keep", "quantize", "drop"],
                    help="DeepSeek-V3's multi-token-prediction layer: copy in the source precision (default), "
                         "quantize it too, or drop it (num_nextn_predict_layers becomes 0)")
@@ -539,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
     p.add_argument("--budget-bits", type=POSITIVE_FLOAT, required=True, help="average stored bits per Linear weight")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="PLAN", help="plan JSON to write")
-    p.add_argument("--schemes", default="W4A16,W8A16", help="candidates besides the original dtype (default W4A16,W8A16)")
+    p.add_argument("--schemes", default="W4A16,W8A16",
+                   help="candidates besides the original dtype (default W4A16,W8A16)")
     p.add_argument("--method", default="rtn", choices=["rtn", "awq", "gptq"], help="how candidates are quantized")
     p.add_argument("--calib", type=Path, help="text to calibrate and measure on (default: bundled calibration text)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -571,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo", metavar="ttft=..,tpot=..", help="goodput SLOs in ms (or s): ttft, tpot, e2el")
     p.add_argument("-o", "--output", type=Path, default=Path("quantship-bench"), metavar="OUT",
                    help="writes bench.json, bench.csv, *.png and bench.html here (default quantship-bench)")
-    p.add_argument("--baseline", type=Path, metavar="OLD.json", help="an earlier bench.json (or vLLM result) to gate on")
+    p.add_argument("--baseline", type=Path, metavar="OLD.json",
+                   help="an earlier bench.json (or vLLM result) to gate on")
     p.add_argument("--tolerance", default="5%", help="how much worse a gated metric may get (default 5%%)")
     p.add_argument("--gate-file", type=Path, metavar="F", help="YAML choosing gated metrics and their tolerances")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=120.0,
@@ -633,13 +649,17 @@ def build_parser() -> argparse.ArgumentParser:
                                "`quantship deploy MODEL -o DIR`).", cmd_deploy_generate)
     p.add_argument("model", metavar="MODEL",
                    help="a model directory (or config.json-only description), or 'tiny'")
-    p.add_argument("-o", "--output", required=True, type=Path, metavar="DIR", help="directory to write (must not exist)")
-    p.add_argument("--engine", choices=["native", "vllm"], default="native", help="our image (default) or vllm/vllm-openai")
-    p.add_argument("--gpu-type", default="NVIDIA-H100-80GB-HBM3", metavar="T", help="nvidia.com/gpu.product label value")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="DIR",
+                   help="directory to write (must not exist)")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="our image (default) or vllm/vllm-openai")
+    p.add_argument("--gpu-type", default="NVIDIA-H100-80GB-HBM3", metavar="T",
+                   help="nvidia.com/gpu.product label value")
     p.add_argument("--gpus", type=integer(0, 8), metavar="N",
                    help="GPUs per replica (default: what the weights need; 0: CPU)")
     p.add_argument("--replicas", default="1:4", metavar="MIN:MAX", help="autoscaling range (default 1:4)")
-    p.add_argument("--canary", action="store_true", help="also write the canary overlay: Argo Rollout + AnalysisTemplate")
+    p.add_argument("--canary", action="store_true",
+                   help="also write the canary overlay: Argo Rollout + AnalysisTemplate")
     p.add_argument("--autoscaler", choices=["hpa", "keda"], default="hpa",
                    help="hpa: autoscaling/v2 + prometheus-adapter rule (default); keda: ScaledObject")
     p.add_argument("--image", help="server image (default quantship-server:VERSION, or vLLM's with --engine vllm)")

@@ -39,8 +39,14 @@ def progress_bar(console):
 
 def layer_bar():
     """(context, step): quantize's bar over decoder layers, on stdout, left on screen when done."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)

@@ -9,8 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from quantship.bench.client import RequestRecord
-from quantship.bench.load import Progress as LoadProgress
-from quantship.bench.load import Step, StepResult
+from quantship.bench.load import Progress as LoadProgress, Step, StepResult
 from quantship.bench.output import change_text, fmt
 
 
@@ -59,7 +58,8 @@ STEP_COLUMNS = [("req/s", "request_throughput"), ("out tok/s", "output_throughpu
 
 def steps_table(summaries: list[dict], title: str, width: int = 200) -> Table:
     """One row per step; on a narrow terminal one column per step, so numbers are never cut."""
-    cols = STEP_COLUMNS + ([("goodput/s", "request_goodput")] if summaries and "request_goodput" in summaries[0] else [])
+    goodput = bool(summaries) and "request_goodput" in summaries[0]
+    cols = STEP_COLUMNS + ([("goodput/s", "request_goodput")] if goodput else [])
     table = Table(title=title, caption="latencies in ms")
     if width >= 130:
         table.add_column("step")

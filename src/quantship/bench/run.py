@@ -80,7 +80,8 @@ def check_url(url: str, allow_remote: bool) -> str:
 def validate(opts: BenchOptions) -> None:
     def bound(name: str, value, low_exclusive: float = 0):
         if value is not None and not (low_exclusive < value <= CAPS[name]):
-            raise QuantshipError(f"--{name.replace('_', '-')} must be above {low_exclusive:g} and at most {CAPS[name]:g}")
+            raise QuantshipError(f"--{name.replace('_', '-')} must be above {low_exclusive:g} "
+                                 f"and at most {CAPS[name]:g}")
 
     if opts.profile not in PROFILES:
         raise QuantshipError(f"--profile must be one of {', '.join(PROFILES)}")

@@ -80,11 +80,13 @@ class StubServer:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for i in range(n):
             await sleep_until(start + self.ttft + i * self.tpot)
-            choice = {"index": 0, "text": " " + WORDS[i % len(WORDS)], "finish_reason": "length" if i == n - 1 else None}
+            choice = {"index": 0, "text": " " + WORDS[i % len(WORDS)],
+                      "finish_reason": "length" if i == n - 1 else None}
             send_chunk(writer, {"id": rid, "object": "text_completion", "model": self.model, "choices": [choice]})
             await writer.drain()
         if (req.get("stream_options") or {}).get("include_usage"):
-            send_chunk(writer, {"id": rid, "object": "text_completion", "model": self.model, "choices": [], "usage": usage})
+            send_chunk(writer, {"id": rid, "object": "text_completion", "model": self.model, "choices": [],
+                                "usage": usage})
         send_event(writer, b"[DONE]")
         writer.write(b"0\r\n\r\n")  # the chunked body's end
 

@@ -71,7 +71,8 @@ def load_rules(path: str | Path | None = None) -> Rules:
         try:
             rule.render("x", "1m")
         except (KeyError, ValueError) as exc:
-            raise QuantshipError(f"{where}.query: only $selector and $window may be substituted ({exc})", path) from None
+            raise QuantshipError(f"{where}.query: only $selector and $window may be substituted ({exc})",
+                                 path) from None
         rules.append(rule)
     return Rules(rules=rules, window=str(raw.get("window", "2m")), canary_selector=raw.get("canary_selector"),
                  baseline_selector=raw.get("baseline_selector"))

@@ -167,14 +167,16 @@ def build_objects(plan: manifests.Plan, pbtxt: str, replicas: int) -> dict[str, 
     pod = {
         "metadata": {"labels": dict(plan.labels),
                      "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS),
-                                     "prometheus.io/path": "/metrics", manifests.ANNOTATION + "config-sha256": config_hash}},
+                                     "prometheus.io/path": "/metrics",
+                                     manifests.ANNOTATION + "config-sha256": config_hash}},
         "spec": {
             "serviceAccountName": name, "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 60,
             "securityContext": {"runAsNonRoot": True, "runAsUser": TRITON_UID, "runAsGroup": TRITON_UID,
                                 "fsGroup": TRITON_UID, "seccompProfile": {"type": "RuntimeDefault"}},
             "initContainers": [init], "containers": [server],
             "volumes": [
-                {"name": "model-cache", "persistentVolumeClaim": {"claimName": f"{name}-model-cache", "readOnly": True}},
+                {"name": "model-cache",
+                 "persistentVolumeClaim": {"claimName": f"{name}-model-cache", "readOnly": True}},
                 {"name": "triton-config", "configMap": {"name": f"{name}-triton"}},
                 {"name": "model-repository", "emptyDir": {"sizeLimit": "16Mi"}},
                 {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},

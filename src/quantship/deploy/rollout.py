@@ -75,7 +75,8 @@ def rollout(plan: Plan, pause: str) -> dict:
                 # Background analysis from the first pause on: it runs while traffic shifts and
                 # aborts the rollout (back to stable) when a rule exceeds its failure limit.
                 "analysis": {"templates": [{"templateName": f"{plan.name}-canary"}], "startingStep": 1,
-                             "args": [{"name": "namespace", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                             "args": [{"name": "namespace",
+                                       "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                                       {"name": "canary-hash", "valueFrom": {"podTemplateHashValue": "Latest"}},
                                       {"name": "stable-hash", "valueFrom": {"podTemplateHashValue": "Stable"}}]},
                 "steps": steps,

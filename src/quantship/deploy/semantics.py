@@ -52,8 +52,9 @@ class Checker:
         for doc, template in self.templates():
             self.check_workload(doc, template)
         for doc in self.objects:
-            check = {"Service": self.check_service, "PodDisruptionBudget": self.check_pdb, "Rollout": self.check_rollout,
-                     "HorizontalPodAutoscaler": self.check_hpa, "ScaledObject": self.check_scaled_object}.get(doc.kind)
+            check = {"Service": self.check_service, "PodDisruptionBudget": self.check_pdb,
+                     "Rollout": self.check_rollout, "HorizontalPodAutoscaler": self.check_hpa,
+                     "ScaledObject": self.check_scaled_object}.get(doc.kind)
             if check:
                 check(doc)
         check_bounds(self)
@@ -93,7 +94,8 @@ class Checker:
         requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
         for name in ("cpu", "memory"):
             if name not in limits:
-                self.fail(doc, f"{where}.resources.limits.{name}", "missing: Guaranteed QoS needs cpu and memory limits")
+                self.fail(doc, f"{where}.resources.limits.{name}",
+                          "missing: Guaranteed QoS needs cpu and memory limits")
         for name, value in requests.items():
             if name not in limits:
                 self.fail(doc, f"{where}.resources.limits.{name}", f"missing while requests.{name} is {value}")
@@ -126,11 +128,13 @@ class Checker:
             if claim and ("PersistentVolumeClaim", claim) not in self.index:
                 self.fail(doc, f"spec.template.spec.volumes[{i}].persistentVolumeClaim.claimName",
                           f"no PersistentVolumeClaim {claim} in this build")
-        gpus = any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {}) for c in pod.get("containers") or [])
+        gpus = any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {})
+                   for c in pod.get("containers") or [])
         if gpus:
             if not any(t.get("key") == "nvidia.com/gpu" or (t.get("operator") == "Exists" and not t.get("key"))
                        for t in pod.get("tolerations") or []):
-                self.fail(doc, "spec.template.spec.tolerations", "GPU pods need a toleration for the nvidia.com/gpu taint")
+                self.fail(doc, "spec.template.spec.tolerations",
+                          "GPU pods need a toleration for the nvidia.com/gpu taint")
             if "nvidia.com/gpu.product" not in str(pod.get("affinity")) + str(pod.get("nodeSelector")):
                 self.fail(doc, "spec.template.spec.affinity", "GPU pods need node affinity on nvidia.com/gpu.product")
 
@@ -147,7 +151,8 @@ class Checker:
         for i, port in enumerate(self.spec(doc).get("ports") or []):
             target = port.get("targetPort")
             if chosen and isinstance(target, str) and target not in ports:
-                self.fail(doc, f"spec.ports[{i}].targetPort", f"no container port named {target!r} in the selected pods")
+                self.fail(doc, f"spec.ports[{i}].targetPort",
+                          f"no container port named {target!r} in the selected pods")
 
     def check_pdb(self, doc: Doc) -> None:
         self._selects_pods(doc, self.spec(doc).get("selector"))

@@ -107,8 +107,8 @@ def schema_problems(data: dict) -> list[tuple[list, str]]:
             found += schema_problems(wrapper)
         return found
     if data.get("kind") in CUSTOM_KINDS:
-        return [(["apiVersion"], f"{data.get('kind')} is known only as "
-                                 f"{', '.join(sorted(k for k in schemas if k.startswith(str(data.get('kind')).lower())))}")]
+        known = sorted(k for k in schemas if k.startswith(str(data.get("kind")).lower()))
+        return [(["apiVersion"], f"{data.get('kind')} is known only as {', '.join(known)}")]
     try:
         kubernetes_validate.validate(data, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
@@ -150,7 +150,8 @@ class _Loader:
             self.report.add(f"{shown}: unreadable ({exc})")
             return []
         except yaml.YAMLError as exc:
-            self.report.add(f"{shown}: invalid YAML: {str(exc).splitlines()[0]} {getattr(exc, 'problem_mark', '')}".strip())
+            where = getattr(exc, "problem_mark", "")
+            self.report.add(f"{shown}: invalid YAML: {str(exc).splitlines()[0]} {where}".strip())
             return []
         docs = []
         for i, data in enumerate(raw):

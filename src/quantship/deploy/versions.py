@@ -55,7 +55,8 @@ def compatible(code_version: str, writer_version: str | None, checkpoint_format:
     if checkpoint_format not in READABLE_FORMATS:
         return False, f"format {checkpoint_format} is not one quantship {code_version} reads"
     if writer_version is None:
-        return True, f"{checkpoint_format} checkpoint without a quantship recipe; quantship {code_version} reads the format"
+        return True, (f"{checkpoint_format} checkpoint without a quantship recipe; "
+                      f"quantship {code_version} reads the format")
     for code_range, writer_range in COMPATIBILITY:
         if satisfies(code_version, code_range):
             if satisfies(writer_version, writer_range):

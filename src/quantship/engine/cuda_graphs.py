@@ -17,6 +17,7 @@ from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
 from quantship.models.paged import PagedBatch
 
+
 def buckets(limit: int, first: int) -> list[int]:
     """first, 2*first, 4*first, ... until one reaches limit."""
     out = [first]

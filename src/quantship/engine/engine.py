@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch
 
-from quantship.engine.block_manager import BlockManager
 from quantship.engine import memory
+from quantship.engine.block_manager import BlockManager
 from quantship.engine.config import EngineConfig
 from quantship.engine.model_runner import ModelRunner
-from quantship.models.paged import kv_bytes_per_token
-from quantship.models.quantized import weight_bytes
 from quantship.engine.sampler import sample
 from quantship.engine.sampling_params import SamplingParams
 from quantship.engine.scheduler import QueueFull, Scheduler
 from quantship.engine.sequence import RequestMetrics, Sequence, Status
 from quantship.engine.text import TextTracker
 from quantship.models.causal_lm import CausalLM
+from quantship.models.paged import kv_bytes_per_token
+from quantship.models.quantized import weight_bytes
 
 __all__ = ["EngineStats", "LLMEngine", "QueueFull", "RequestOutput", "load_engine"]
 

@@ -184,8 +184,9 @@ def _weight_quant(weights: dict) -> WeightQuant:
     if strategy == "block":
         structure = weights.get("block_structure") or [128, 128]
         block = (int(structure[0]), int(structure[1]))
-    return WeightQuant(int(weights.get("num_bits", 8)), weights.get("type", "int"), bool(weights.get("symmetric", True)),
-                       strategy, weights.get("group_size"), weights.get("actorder"), block)
+    return WeightQuant(int(weights.get("num_bits", 8)), weights.get("type", "int"),
+                       bool(weights.get("symmetric", True)), strategy, weights.get("group_size"),
+                       weights.get("actorder"), block)
 
 
 def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant) -> QuantizedTensor:

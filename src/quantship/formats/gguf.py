@@ -28,8 +28,16 @@ from gguf import GGMLQuantizationType as T
 
 from quantship.errors import QuantshipError
 from quantship.formats import gguf_blocks as blocks
-from quantship.formats.gguf_layout import (ROPE_FREQS, TensorSpec, forward_rows, gguf_arch, model_params,
-                                           rope_freq_factors, tensor_specs, to_gguf_layout)
+from quantship.formats.gguf_layout import (
+    ROPE_FREQS,
+    TensorSpec,
+    forward_rows,
+    gguf_arch,
+    model_params,
+    rope_freq_factors,
+    tensor_specs,
+    to_gguf_layout,
+)
 from quantship.formats.gguf_metadata import add_metadata
 from quantship.formats.gguf_mix import FILE_TYPES, ModelShape, choose_types
 from quantship.formats.gguf_vocab import add_tokenizer
@@ -363,7 +371,7 @@ def summary_lines(result: ExportResult) -> list[str]:
             rtn = sorted(p.spec.name for p in requantized if p.spec.name not in result.gptq)
             lines.append(f"GPTQ: {len(result.gptq)} tensors (attn_k_b per head on its query: "
                          f"{sum('attn_k_b' in n for n in result.gptq)}; output matrix: "
-                         f"{'yes' if any(n in ('output.weight', 'token_embd.weight') for n in result.gptq) else 'no'}); "
+                         f"{'yes' if {'output.weight', 'token_embd.weight'} & set(result.gptq) else 'no'}); "
                          f"round-to-nearest: {', '.join(rtn) if rtn else 'none'}")
     kept = [p for p in result.tensors if p.how == "kept"]
     if kept:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from gguf import quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
 QK_K = 256
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -139,7 +138,8 @@ def quantize_weighted(w: torch.Tensor, qtype: T, importance: torch.Tensor) -> np
         half = 8 if qtype == T.Q4_0 else 16
         d = _fit_symmetric(xb, wb, half).to(torch.float16).float()
         safe = torch.where(d == 0, torch.ones_like(d), d)
-        codes = torch.where(d[:, None] == 0, torch.zeros_like(xb), torch.round(xb / safe[:, None])).clamp(-half, half - 1)
+        codes = torch.where(d[:, None] == 0, torch.zeros_like(xb), torch.round(xb / safe[:, None]))
+        codes = codes.clamp(-half, half - 1)
         codes, d = codes.reshape(rows, n), d.reshape(rows, n // 32)
         data = pack_q4_0(codes.to(torch.int8), d) if qtype == T.Q4_0 else pack_q5(codes + 16, d)
     else:
@@ -155,7 +155,8 @@ def quantize_weighted(w: torch.Tensor, qtype: T, importance: torch.Tensor) -> np
 
 # --- K-quants: parameters chosen by a weighted search, then packed ------------------------------
 
-def _fit_affine(x: torch.Tensor, weight: torch.Tensor, nmax: int, steps=(-1.0, 0.1, 20)) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_affine(x: torch.Tensor, weight: torch.Tensor, nmax: int,
+                steps=(-1.0, 0.1, 20)) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and (non-negative) min per row of x [R, 32] so that x ≈ scale * u - min, u in 0..nmax.
 
     The idea of ggml's make_qkx2_quants: try a few grid stretches around (max - min) / nmax, and for

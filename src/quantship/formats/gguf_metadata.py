@@ -84,7 +84,8 @@ def _add_rope_scaling(w: gguf.GGUFWriter, c: ModelConfig) -> None:
         # llama.cpp reads llama3 scaling from the rope_freqs.weight tensor; the parameters are kept
         # here too, under quantship's own key, so that reading the file back gives the same config.
         w.add_string(ROPE_SCALING_KEY, json.dumps({"rope_type": "llama3", "factor": r.factor,
-                                                   "original_max_position_embeddings": r.original_max_position_embeddings,
+                                                   "original_max_position_embeddings":
+                                                       r.original_max_position_embeddings,
                                                    "low_freq_factor": r.low_freq_factor,
                                                    "high_freq_factor": r.high_freq_factor}))
     elif r.type == "linear":
@@ -156,10 +157,13 @@ def config_from_gguf(fields: dict, has_tensor) -> dict:
         qk_rope_head_dim=rope, qk_nope_head_dim=get(Keys.Attention.KEY_LENGTH_MLA) - rope,
         v_head_dim=get(Keys.Attention.VALUE_LENGTH_MLA),
         n_routed_experts=experts, num_experts_per_tok=get(Keys.LLM.EXPERT_USED_COUNT, 0),
-        n_shared_experts=get(Keys.LLM.EXPERT_SHARED_COUNT, 0), moe_intermediate_size=get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        n_shared_experts=get(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+        moe_intermediate_size=get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
         first_k_dense_replace=get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
-        routed_scaling_factor=get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0), norm_topk_prob=bool(get(Keys.LLM.EXPERT_WEIGHTS_NORM)),
-        scoring_func="sigmoid" if sigmoid else "softmax", n_group=groups, topk_group=get(Keys.LLM.EXPERT_GROUP_USED_COUNT),
+        routed_scaling_factor=get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+        norm_topk_prob=bool(get(Keys.LLM.EXPERT_WEIGHTS_NORM)),
+        scoring_func="sigmoid" if sigmoid else "softmax", n_group=groups,
+        topk_group=get(Keys.LLM.EXPERT_GROUP_USED_COUNT),
         topk_method="noaux_tc" if biased else ("group_limited_greedy" if groups else "greedy"),
     )
     return raw

@@ -81,7 +81,8 @@ def decoder_layer(ctx: Ctx, x: str, w: LayerWeights, i: int, past: list[str]) ->
         out, k, v = gqa_attention(ctx, h, attn, f"{path}/self_attn", past[0], past[1])
         presents = [k, v]
     x = g.op("Add", [x, out], f"{path}/attn_residual")
-    h = rms_norm(ctx, x, w.tensor("post_attention_layernorm.weight"), c.rms_norm_eps, f"{path}/post_attention_layernorm")
+    h = rms_norm(ctx, x, w.tensor("post_attention_layernorm.weight"), c.rms_norm_eps,
+                 f"{path}/post_attention_layernorm")
     out = moe(ctx, h, w, f"{path}/mlp") if c.is_moe_layer(i) else mlp(ctx, h, w, "mlp.", f"{path}/mlp")
     return g.op("Add", [x, out], f"{path}/mlp_residual"), presents
 

@@ -153,7 +153,8 @@ def mla_attention(ctx: Ctx, x: str, w, path: str, past: str) -> tuple[str, str]:
     shared rope key: vLLM's layout). K and V are rebuilt per head from the latent each step, as
     MLAttention.forward does; q·k = q_nope·k_nope + q_rope·k_rope, the rope key shared by all heads."""
     g, c = ctx.g, ctx.config
-    h, nope, rope, vd, rank = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    h, nope, rope = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    vd, rank = c.v_head_dim, c.kv_lora_rank
     if w.has_linear("q_proj"):
         q = emit_linear(g, x, f"{path}/q_proj", w.linear("q_proj"), ctx.dtype)
     else:
@@ -178,8 +179,10 @@ def mla_attention(ctx: Ctx, x: str, w, path: str, past: str) -> tuple[str, str]:
                f"{path}/kv")
     k_nope, v = g.op("Split", [kv, g.const([nope, vd])], f"{path}/kv_split", outputs=2, axis=-1)
     scores = g.op("Add", [
-        g.op("MatMul", [q_nope, g.op("Transpose", [k_nope], f"{path}/k_nopeT", perm=[0, 1, 3, 2])], f"{path}/QK_nope"),
-        g.op("MatMul", [q_rope, g.op("Transpose", [all_rope], f"{path}/k_ropeT", perm=[0, 1, 3, 2])], f"{path}/QK_rope"),
+        g.op("MatMul", [q_nope, g.op("Transpose", [k_nope], f"{path}/k_nopeT", perm=[0, 1, 3, 2])],
+             f"{path}/QK_nope"),
+        g.op("MatMul", [q_rope, g.op("Transpose", [all_rope], f"{path}/k_ropeT", perm=[0, 1, 3, 2])],
+             f"{path}/QK_rope"),
     ], f"{path}/QK")
     out = softmax_attend(ctx, scores, v, ctx.bias, c.softmax_scale, path)  # [B, H, S, v]
     out = emit_linear(g, merge_heads(ctx, out, f"{path}/merge"), f"{path}/o_proj", w.linear("o_proj"), ctx.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from quantship.formats.onnx_layers import F32, Ctx, mlp
+from quantship.formats.onnx_layers import Ctx, mlp
 
 NEG_INF = float("-inf")
 

@@ -30,7 +30,8 @@ class OnnxModel:
         if threads:
             options.intra_op_num_threads = threads
         try:
-            self.session = ort.InferenceSession(str(self.path / MODEL_FILE), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(self.path / MODEL_FILE), options,
+                                                providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types; one line for the user
             raise QuantshipError(f"ONNX Runtime cannot load the model ({' '.join(str(exc).split())[:300]})",
                                  self.path) from None
@@ -44,12 +45,13 @@ class OnnxModel:
         if mask is None:
             mask = np.ones((batch, past + new), dtype=np.int64)
         positions = np.broadcast_to(np.arange(past, past + new, dtype=np.int64), (batch, new))
-        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask, "position_ids": np.ascontiguousarray(positions),
-                 **cache}
+        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask,
+                 "position_ids": np.ascontiguousarray(positions), **cache}
         outputs = self.session.run(None, feeds)
         names = [o.name for o in self.session.get_outputs()]
         result = dict(zip(names, outputs))
-        present = {n.replace("present.", "past_key_values.", 1): v for n, v in result.items() if n.startswith("present.")}
+        present = {n.replace("present.", "past_key_values.", 1): v for n, v in result.items()
+                   if n.startswith("present.")}
         return result["logits"], present
 
     def empty_cache(self, batch: int = 1) -> dict[str, np.ndarray]:

@@ -86,7 +86,8 @@ class Encoder:
                                      "(export fp32/fp16, or re-quantize without act-order)")
             if not nbits_block_ok(group, weight.values.shape[1]):
                 raise QuantshipError(f"{name}: group {group} is not a MatMulNBits block size (16, 32, 64, 128, ...)")
-            return "int4 from the checkpoint's integers", Int4Weight(weight.values, weight.scale, weight.zero, group, bias)
+            return "int4 from the checkpoint's integers", Int4Weight(weight.values, weight.scale, weight.zero, group,
+                                                                     bias)
         inp = weight.shape[1]
         group = next((g for g in INT4_GROUPS if inp % g == 0), None)
         if group is None:
@@ -101,7 +102,8 @@ class Encoder:
             if not (weight.integer and weight.bits == 8 and weight.scale.shape[1] == 1 and weight.zero is None):
                 raise QuantshipError(f"{name}: int8 export takes per-channel symmetric int8 weights (W8A8, W8A16); "
                                      f"this Linear is {weight.bits}-bit with {weight.scale.shape[1]} group(s)")
-            return "int8 from the checkpoint's integers", Int8Weight(weight.values, weight.scale[:, 0], bias, activation)
+            return "int8 from the checkpoint's integers", Int8Weight(weight.values, weight.scale[:, 0], bias,
+                                                                     activation)
         q = rtn_quantize(weight, WeightQuant(8, "int", True, "channel", None), scale_dtype=torch.float32)
         return "int8 RTN per channel", Int8Weight(q.values, q.scale[:, 0], bias, activation)
 

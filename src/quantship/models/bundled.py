@@ -16,7 +16,8 @@ def resolve_model(model: str | Path | None) -> Path:
         return TINY_DIR
     path = Path(model).expanduser()
     if not path.exists():
-        hint = " (quantship never downloads; give a local directory)" if "/" in str(model) and not path.parent.exists() else ""
+        hub_id = "/" in str(model) and not path.parent.exists()
+        hint = " (quantship never downloads; give a local directory)" if hub_id else ""
         raise QuantshipError(f"model directory not found{hint}", path)
     if not path.is_dir():
         raise QuantshipError("expected a model directory (config.json, *.safetensors, tokenizer files)", path)

@@ -6,11 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
+from quantship.kernels.fused_moe import BLOCK_K as FUSED_MOE_BLOCK_K, ExpertWeights, fused_moe
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
-from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
-from quantship.kernels.fused_moe import BLOCK_K as FUSED_MOE_BLOCK_K
-from quantship.kernels.fused_moe import ExpertWeights, fused_moe
 from quantship.models.paged import PagedBatch, dense_weight
 from quantship.models.quantized import PackedLinear
 

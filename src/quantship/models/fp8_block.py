@@ -73,7 +73,8 @@ def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int], pre
         state[weight_key] = dequantize_blocks(values, scale, block)
     stray = [k for k, t in state.items() if t.dtype == torch.float8_e4m3fn]
     if stray:
-        raise QuantshipError(f"{prefix}{stray[0]} is float8 without a weight_scale_inv", files.get(prefix + stray[0], ""))
+        raise QuantshipError(f"{prefix}{stray[0]} is float8 without a weight_scale_inv",
+                             files.get(prefix + stray[0], ""))
 
 
 def quantize_activations_per_group(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -125,7 +125,8 @@ class PagedBatch:
         query_positions = torch.where(query_valid, start[:, None] + qpos, 0)  # padding sees key 0 only: no NaN rows
         positions = query_positions[query_valid]
         kpos = torch.arange(k)
-        key_slots = tables.gather(1, (kpos // block_size).clamp(max=width - 1).expand(s, -1)) * block_size + kpos % block_size
+        blocks = tables.gather(1, (kpos // block_size).clamp(max=width - 1).expand(s, -1))
+        key_slots = blocks * block_size + kpos % block_size
         mask = kpos[None, None, :] <= query_positions[:, :, None]
         slots = key_slots.gather(1, query_positions)[query_valid]
         unpad_index = query_valid.flatten().nonzero()[:, 0]

@@ -29,6 +29,7 @@ from torch import nn
 
 from quantship import __version__
 from quantship.errors import QuantshipError
+from quantship.files import check_output_location, publish_directory, sha256_file
 from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
@@ -44,7 +45,6 @@ from quantship.quant.resume import ResumableRun, source_fingerprint
 from quantship.quant.rtn import rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
 from quantship.quantized_tensor import QuantizedTensor
-from quantship.files import check_output_location, publish_directory, sha256_file
 
 CLIP_ROWS = 512  # input rows per Linear that AWQ's clipping search looks at
 RECIPE_FILE = "quantship_recipe.json"

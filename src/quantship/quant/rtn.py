@@ -55,7 +55,8 @@ def rtn_quantize(w: torch.Tensor, args: WeightQuant, scale_dtype: torch.dtype = 
     w = w.float()
     scale, zero = qparams(*minmax_by_group(w, args), args, scale_dtype)
     inp = w.shape[1]
-    values = quantize_values(w, expand_groups(scale, inp, None), None if zero is None else expand_groups(zero, inp, None), args)
+    zeros = None if zero is None else expand_groups(zero, inp, None)
+    values = quantize_values(w, expand_groups(scale, inp, None), zeros, args)
     return QuantizedTensor(store_values(values, args), scale, None if zero is None else zero.to(torch.int8), args)
 
 

@@ -56,7 +56,8 @@ def make_provider(endpoint: str | None, service_name: str, exporter=None):
 
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     if exporter is None and protocol and protocol.strip() != "http/protobuf":
-        raise QuantshipError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: quantship exports traces over http/protobuf only")
+        raise QuantshipError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: quantship exports traces over "
+                             "http/protobuf only")
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
     provider = TracerProvider(resource=Resource.create(attributes))
     if exporter is not None:

@@ -41,7 +41,8 @@ def measure_units(model: str | Path | None, schemes: list[str], method: str = "r
     base_ck = Checkpoint(path)
     calib_path = Path(calib) if calib else TINY_DIR / "calib.txt"
     tokenizer = load_tokenizer(path)
-    ids = tokenizer(read_text_file(calib_path, "calibration file"), add_special_tokens=False, verbose=False)["input_ids"]
+    text = read_text_file(calib_path, "calibration file")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     # Take the measurement rows from the end of the calibration text, away from the quantizer's first samples.
     measure_rows = chunk_rows(ids[::-1][: rows * ctx][::-1], ctx, None)
     base = base_ck.load_model(device=device)

@@ -14,11 +14,10 @@ from quantship.errors import QuantshipError
 from quantship.files import read_text_file
 from quantship.formats.gguf_read import GGUFCheckpoint, open_checkpoint
 from quantship.models.bundled import bundled_texts, resolve_model
-from quantship.models.reference_loop import generate_tokens
 from quantship.models.loader import Checkpoint
+from quantship.models.reference_loop import generate_tokens
 from quantship.models.tokenizer import eos_ids, load_tokenizer
-from quantship.verify import evaluate as E
-from quantship.verify import sensitivity as S
+from quantship.verify import evaluate as E, sensitivity as S
 from quantship.verify.coverage import coverage
 from quantship.verify.floor import floor_model
 from quantship.verify.gates import check_metrics, default_gates_file, evaluate_gates, parse_gates

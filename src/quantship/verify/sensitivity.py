@@ -15,6 +15,7 @@ from torch import nn
 from quantship.models.deepseek import MoE
 from quantship.verify.metrics import token_kl
 
+
 def units(model) -> list[tuple[int, str, str]]:
     """(layer index, group, module path inside the layer) for every unit the model has."""
     out = []
