@@ -58,6 +58,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantship.files import sha256_file
+
 REPO = Path(__file__).resolve().parent.parent
 
 # --- special tokens (DeepSeek-V3 style; ids are the list positions) -----------------------
@@ -148,14 +150,6 @@ def log(msg: str) -> None:
 def stable_unit(key: str) -> float:
     """A number in [0, 1) that depends only on `key` (not on PYTHONHASHSEED)."""
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # --- sources -------------------------------------------------------------------------------

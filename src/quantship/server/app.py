@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantship.engine.async_engine import AsyncEngine, QueueFull
+from quantship.server.asgi import StatusRecorder
 from quantship.server.faults import FaultInjector
 from quantship.server.metrics import ServerMetrics
 from quantship.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -48,25 +49,17 @@ class Gatekeeper:
         # Latency histograms start here, as vLLM's start at its API server: parsing, tokenizing and
         # any delay inside the server count toward TTFT and E2E.
         scope.setdefault("state", {})["received_at"] = time.monotonic()
-        status = 500  # what the client sees if the app dies before answering
         if self.api_key is not None and not self._authorized(scope):
-            status = 401
             body = error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                               "invalid_request_error", code="invalid_api_key")
             await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-            self.metrics.count_response(path, scope["method"], status)
+            self.metrics.count_response(path, scope["method"], 401)
             return
-
-        async def send_and_note(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        sent = StatusRecorder(send)
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive, sent)
         finally:
-            self.metrics.count_response(path, scope["method"], status)
+            self.metrics.count_response(path, scope["method"], sent.status)
 
 
 def _error_response(err: APIError) -> JSONResponse:

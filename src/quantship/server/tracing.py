@@ -20,6 +20,7 @@ import time
 from urllib.parse import urlsplit
 
 from quantship.errors import QuantshipError
+from quantship.server.asgi import StatusRecorder
 
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -173,18 +174,11 @@ class TracingMiddleware:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         span = self.tracer.start_request(scope["method"], path, headers, time.monotonic())
         scope.setdefault("state", {})["otel_span"] = span
-        status = 500
-
-        async def send_and_note(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        sent = StatusRecorder(send)
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive, sent)
         finally:
-            self.tracer.end_request(span, status, time.monotonic())
+            self.tracer.end_request(span, sent.status, time.monotonic())
 
 
 def build_request_tracer(endpoint: str | None, service_name: str = "quantship") -> RequestTracer | None:
