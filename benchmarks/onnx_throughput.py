@@ -79,7 +79,7 @@ def ort_generate(model: OnnxModel, prompts: np.ndarray, new: int) -> float:
 def engine_generate(model, prompts: np.ndarray, new: int) -> float:
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
-    from quantship.engine.sampling import SamplingParams
+    from quantship.engine.sampling_params import SamplingParams
 
     batch = len(prompts)
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT, max_model_len=PROMPT + NEW + 16,

@@ -29,6 +29,7 @@ from quantship import __version__
 from quantship.deploy import manifests, sizing
 from quantship.deploy.model import ModelFacts, count_parameters, directory_files, k8s_name
 from quantship.errors import QuantshipError
+from quantship.files import sha256_file
 
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.08-py3"
 TRITON_UID = 1000  # the image's triton-server user
@@ -54,7 +55,7 @@ def read_export(path: Path, name: str | None, size_gb: float | None) -> tuple[Mo
     for line in (path / "SHA256SUMS").read_text(encoding="utf-8").splitlines():
         digest, _, file = line.partition("  ")
         target = path / file
-        if not target.is_file() or _sha256(target) != digest:
+        if not target.is_file() or sha256_file(target) != digest:
             raise QuantshipError(f"{file} does not match the export's SHA256SUMS (changed or missing since the "
                                  "export)", path)
     config = load_config(path)
@@ -80,14 +81,6 @@ def read_export(path: Path, name: str | None, size_gb: float | None) -> tuple[Mo
 def _writer(info: dict) -> str | None:
     writer = str(info.get("writer", ""))
     return writer.split(" ", 1)[1] if writer.startswith("quantship ") else None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def model_config_pbtxt(path: Path, name: str, gpu: bool) -> str:
