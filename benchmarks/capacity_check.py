@@ -51,7 +51,7 @@ def admitted(model, memory_bytes: int, context: int, predicted: int) -> dict:
     out of the way) and step once: the engine admits what its cache holds, the rest wait."""
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
-    from quantship.engine.sampling import SamplingParams
+    from quantship.engine.sampling_params import SamplingParams
 
     n = predicted + EXTRA
     config = EngineConfig(memory_bytes=memory_bytes, max_num_seqs=n + 1, max_num_batched_tokens=n * context,
@@ -135,7 +135,7 @@ def trial(model, context: int, n: int, batch_cap: int, budget_tokens: int) -> di
     """Run the worst steps with a cache of n sequences of `context`; None when it runs out of memory."""
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
-    from quantship.engine.sampling import SamplingParams
+    from quantship.engine.sampling_params import SamplingParams
 
     bs, vocab = 16, model.config.vocab_size
     batch = min(n, batch_cap)

@@ -4,14 +4,13 @@ a healthy canary, a bad canary made slower and failing), `quantship bench` drive
 The Grafana dashboard `quantship deploy` writes is checked against the same Prometheus: every
 panel's query parses (promtool) and returns data."""
 
+import math
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-
-import math
 
 import httpx
 import pytest

@@ -16,7 +16,7 @@ from quantship.deploy.weights import weight_memory
 from quantship.engine import memory
 from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 from quantship.errors import QuantshipError
 from quantship.models.bundled import TINY_DIR
 from quantship.models.config import load_config

@@ -12,17 +12,17 @@ import httpx
 import pytest
 import torch
 import yaml
+from test_canary_e2e import free_port, stop
 
 from quantship.cli import main
 from quantship.deploy import sizing
 from quantship.deploy.validate import validate_dir
 from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine
-from quantship.engine.sampling import SamplingParams
+from quantship.engine.sampling_params import SamplingParams
 from quantship.models.bundled import TINY_DIR
 from quantship.models.loader import load_model
 from quantship.server.startup import PHASES, StartupClock, process_age
-from test_canary_e2e import free_port, stop
 
 
 def test_warm_up_leaves_no_trace():

@@ -12,8 +12,17 @@ import threading
 from pathlib import Path
 
 from quantship import __version__
-from quantship.argtypes import (PORT, POSITIVE, POSITIVE_FLOAT, SEED, OneLineParser, integer, module_pattern, number,
-                                token_counts)
+from quantship.argtypes import (
+    PORT,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    SEED,
+    OneLineParser,
+    integer,
+    module_pattern,
+    number,
+    token_counts,
+)
 from quantship.errors import QuantshipError
 from quantship.files import check_output_location
 

@@ -28,11 +28,11 @@ import yaml
 
 from quantship import __version__
 from quantship.deploy import autoscaling, dashboard, manifests, monitoring, rollout, sizing
-from quantship.deploy.serving import serving_plan
 from quantship.deploy.canary import load_rules
 from quantship.deploy.checksums import MANIFEST_FILE, SUMS_FILE, sums_text
 from quantship.deploy.matching import parse_quantity
 from quantship.deploy.model import ModelFacts, read_model
+from quantship.deploy.serving import serving_plan
 from quantship.errors import QuantshipError
 from quantship.files import check_output_location, publish_directory
 from quantship.models.bundled import resolve_model

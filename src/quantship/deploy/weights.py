@@ -13,9 +13,10 @@ from torch import nn
 
 from quantship.engine.memory import int4_decode_copy
 from quantship.errors import QuantshipError
+from quantship.formats.compressed_tensors import CompressedTensorsReader
 from quantship.models.config import ModelConfig
-from quantship.models.quantized import CompressedTensorsReader, quant_linear, weight_bytes
-from quantship.quant.scheme import PRESETS, DEFAULT_IGNORE, get_scheme, is_ignored
+from quantship.models.quantized import quant_linear, weight_bytes
+from quantship.quant.scheme import DEFAULT_IGNORE, PRESETS, get_scheme, is_ignored
 
 UNQUANTIZED = "BF16"
 # The schemes `quantship capacity` lists: what quantize writes and the engine serves.
