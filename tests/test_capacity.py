@@ -211,3 +211,14 @@ def test_deploy_takes_batch_memory_fraction_and_gpus_from_the_planner(shapes, tm
     assert main(["deploy", str(shapes["coder"]), "-o", str(tmp_path / "b"), "--gpu-type", "NVIDIA-B200",
                  "--gpus", "1"]) == 0
     assert "not in the GPU table" in capsys.readouterr().out
+
+
+def test_info_reports_the_weight_memory_the_engine_holds(w4a16, capsys):
+    held = {}
+    for path in (TINY_DIR, w4a16):
+        assert main(["info", str(path), "--json"]) == 0
+        serving = json.loads(capsys.readouterr().out)["serving"]
+        held[path] = weight_bytes(load_model(path, torch.bfloat16))
+        assert serving["weight_bytes"] == held[path], path
+        assert (serving["decode_copy_bytes"] > 0) == (path == w4a16)
+    assert held[w4a16] < 0.6 * held[TINY_DIR]  # packed int4 + scales, against bf16

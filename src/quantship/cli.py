@@ -64,11 +64,25 @@ def _describe_quantization(qc: dict | None) -> str:
     return f"{qc.get('quant_method')} {qc.get('format')}: " + "; ".join(parts) + f" (ignore: {ignore})"
 
 
+def _serving_memory(path) -> dict:
+    """What the engine holds for the weights when it serves this checkpoint on a GPU (bf16, quantized
+    Linears kept packed): the figure `serve` logs at start-up, known here without loading anything."""
+    import torch
+
+    from quantship.deploy.weights import weight_memory
+    from quantship.models.config import load_config
+
+    memory = weight_memory(load_config(path), None, torch.bfloat16, path)
+    return {"dtype": "bfloat16", "weight_bytes": memory.weight_bytes, "decode_copy_bytes": memory.decode_copy_bytes}
+
+
 def cmd_info(args) -> int:
     from quantship.models.bundled import resolve_model
     from quantship.models.info import model_info
 
-    info = model_info(resolve_model(args.model))
+    path = resolve_model(args.model)
+    info = model_info(path)
+    info["serving"] = _serving_memory(path)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -104,6 +118,9 @@ def cmd_info(args) -> int:
                      + (f" (MLA latent; full K/V would be {_human_bytes(info['full_kv_bytes_per_token'])})"
                         if "mla" in info else "")),
         ("quantization", _describe_quantization(info["quantization_config"])),
+        ("served weights", f"{_human_bytes(info['serving']['weight_bytes'])} of GPU memory in bf16"
+                           + (f" (+{_human_bytes(info['serving']['decode_copy_bytes'])} int4 decode copies)"
+                              if info["serving"]["decode_copy_bytes"] else "")),
     ]
     if "eval_text" in info:
         rows += [("eval_text", info["eval_text"]), ("calib_text", info["calib_text"])]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -20,6 +21,8 @@ from quantship.engine.sampling_params import SamplingParams
 from quantship.engine.sequence import RequestMetrics
 
 __all__ = ["AsyncEngine", "QueueFull", "RequestOutput", "RequestStream", "ShuttingDown"]
+
+log = logging.getLogger(__name__)
 
 # /ready turns false when one step has run this long: a hung engine, not a slow prefill.
 STUCK_STEP_S = 120.0
@@ -114,6 +117,8 @@ class AsyncEngine:
         arrival: when the request reached the server (time.monotonic()); latencies count from it."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
+        if self.error is not None:
+            raise ShuttingDown(f"the engine stopped after an error: {self.error}")
         self.engine.check_request(prompt_ids, params)
         # Reading the queue length without the engine thread's cooperation can be off by the few
         # requests in transit; the bound holds to within that.
@@ -125,6 +130,10 @@ class AsyncEngine:
         now = arrival if arrival is not None else time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         with self._streams_lock:
+            # Checked again under the lock the failing thread takes to fail every stream: a request
+            # either sees the error here or is among the streams failed there, never left waiting.
+            if self.error is not None:
+                raise ShuttingDown(f"the engine stopped after an error: {self.error}")
             self._streams[request_id] = stream
         self._inbox.append((request_id, list(prompt_ids), params, priority, deadline, now))
         self._wake.set()
@@ -195,10 +204,10 @@ class AsyncEngine:
                 if not self.engine.has_unfinished() and not self._inbox and not self._aborts:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
-        except BaseException as exc:  # surfaced through /ready and to every waiting client
-            self.error = exc
+        except BaseException as exc:  # surfaced through /ready, to every waiting client and in the log
+            log.exception("the engine thread stopped")
             with self._streams_lock:
+                self.error = exc
                 pending, self._streams = list(self._streams.items()), {}
             for request_id, stream in pending:
                 stream._put(RequestOutput.failure(request_id, f"engine error: {exc}"))
-            raise
