@@ -122,3 +122,19 @@ def test_report_structure_fallbacks_and_finite(reference_dirs):
     few = awq_layer(Checkpoint(reference_dirs["deepseek_v3"][0]).layer(1), hidden.float(), torch.arange(32), args,
                     grid=4, min_expert_tokens=1)
     assert len(few["expert_fallbacks"]) < 8
+
+
+def test_clipping_in_row_chunks_equals_one_pass():
+    from quantship.quant.clip import clip_weight
+    from quantship.quantized_tensor import WeightQuant
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 256, generator=g)
+    weight[::5, ::7] *= 6  # outliers worth clipping
+    x = torch.randn(64, 256, generator=g)
+    for args in (WeightQuant(num_bits=4, group_size=64), WeightQuant(num_bits=4, strategy="channel")):
+        whole, ratio = clip_weight(weight, x, args, chunk_bytes=1 << 40)
+        # A budget of a few rows per chunk (and one that does not divide the 48 rows).
+        chunked, chunked_ratio = clip_weight(weight, x, args, chunk_bytes=4 * 64 * (256 // args.group_width(256)) * 5)
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+        assert abs(chunked_ratio - ratio) < 1e-6 and ratio < 1.0  # and some group was clipped

@@ -38,3 +38,20 @@ def test_drawing_a_token_never_waits_for_the_gpu():
             sample_row(logits, params, generator)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-6, 1e30, 1e300, float("inf")])
+@pytest.mark.parametrize("top_p", [1.0, 0.5, 1e-300])
+@pytest.mark.parametrize("top_k", [0, 1, 3])
+def test_extreme_numbers_draw_a_valid_token_never_a_nan_error(temperature, top_p, top_k):
+    # Found by the server fuzz: a temperature of 1e-300 divided the logits into +-inf, whose softmax is
+    # NaN, and multinomial's error stopped the engine thread. Any value the API admits must draw a token.
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 5
+    logits[1, 7] = logits[1].max() + 1e-3  # a near tie at the top
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=1)
+    tokens, _ = sample(logits, [params, params], [torch.Generator().manual_seed(1)] * 2, [False, False])
+    assert all(0 <= t < 50 for t in tokens)
+    if temperature < 1e-5 or top_k == 1:  # effectively greedy
+        assert tokens == logits.argmax(-1).tolist()
+    if top_k == 3:
+        assert all(t in logits[i].topk(3).indices.tolist() for i, t in enumerate(tokens))

@@ -18,6 +18,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from quantship.cli import main
+from quantship.engine import async_engine as async_engine_module
 from quantship.engine.async_engine import AsyncEngine, QueueFull
 from quantship.engine.config import EngineConfig
 from quantship.engine.engine import RequestOutput, load_engine
@@ -237,6 +238,48 @@ def test_engine_failure_is_500_or_an_error_event(client, async_engine, monkeypat
     r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
     events = sse_events(r.text)
     assert events[0]["choices"][0]["text"] == "partial" and "out of memory" in events[-1]["error"]["message"]
+
+
+def test_a_failed_step_ends_its_requests_with_a_500_and_the_engine_goes_on(client, async_engine, monkeypatch):
+    real_step = async_engine.engine.step
+    calls = []
+
+    def fail_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real_step()
+
+    monkeypatch.setattr(async_engine.engine, "step", fail_once)
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 500)
+    assert "probability tensor" in error["message"]
+    # The same engine thread answers the next request, and nothing of the failed one is left in the cache.
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert client.get("/ready").status_code == 200 and async_engine.stats().kv_cache_usage == 0
+
+
+def test_an_engine_whose_steps_keep_failing_stops_and_refuses_new_requests():
+    # Its own engine: this one is left dead.
+    engine = AsyncEngine(load_engine(TINY_DIR, config=EngineConfig(max_model_len=128, max_num_seqs=2)), "tiny")
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.engine.step = broken
+    engine.start()
+    with TestClient(create_app(engine)) as c:
+        failed = [assert_openai_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 500)
+                  for _ in range(async_engine_module.MAX_FAILED_STEPS)]
+        assert all("illegal memory access" in e["message"] for e in failed)
+        deadline = time.monotonic() + 10
+        while engine.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.get("/ready").status_code == 503
+        # Never a request left waiting on a thread that is gone: refused at once.
+        error = assert_openai_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
+        assert "engine stopped" in error["message"]
+    asyncio.run(engine.shutdown(drain=False, timeout=1))
 
 
 def test_api_key_guards_v1_only(async_engine):

@@ -24,6 +24,9 @@ __all__ = ["AsyncEngine", "QueueFull", "RequestOutput", "RequestStream", "Shutti
 
 log = logging.getLogger(__name__)
 
+# Steps failing one after the other: a broken engine (/ready turns false), not one unlucky batch.
+MAX_FAILED_STEPS = 3
+
 # /ready turns false when one step has run this long: a hung engine, not a slow prefill.
 STUCK_STEP_S = 120.0
 
@@ -191,14 +194,24 @@ class AsyncEngine:
                 stream._put(output)
 
     def _run(self) -> None:
+        failures = 0
         try:
             while not self._stopping:
                 outputs = self._take_inbox()
                 self._stats = self.engine.stats()  # new requests count as waiting while the step runs
                 if self.engine.has_unfinished():
                     self.step_started = time.monotonic()
-                    outputs += self.engine.step()
-                    self.step_started = None
+                    try:
+                        outputs += self.engine.step()
+                        failures = 0
+                    except Exception as exc:
+                        failures += 1
+                        if failures >= MAX_FAILED_STEPS:
+                            raise
+                        log.exception("a step failed: its requests end with an error, the engine goes on")
+                        outputs += self._fail_in_flight(exc)
+                    finally:
+                        self.step_started = None
                 self._stats = self.engine.stats()  # before delivery: a client that saw its end sees its counts
                 self._deliver(outputs)
                 if not self.engine.has_unfinished() and not self._inbox and not self._aborts:
@@ -211,3 +224,8 @@ class AsyncEngine:
                 pending, self._streams = list(self._streams.items()), {}
             for request_id, stream in pending:
                 stream._put(RequestOutput.failure(request_id, f"engine error: {exc}"))
+
+    def _fail_in_flight(self, exc: Exception) -> list[RequestOutput]:
+        """After a failed step, which sequences it left half-updated is unknown: end every in-flight one with
+        the error (their blocks are freed), so the next step starts from a consistent engine."""
+        return [RequestOutput.failure(request_id, f"engine error: {exc}") for request_id in self.engine.drop_all()]

@@ -141,6 +141,16 @@ class LLMEngine:
             self._finish(seq, "abort")
             self._pending.append(self._output(seq, []))
 
+    def drop_all(self) -> list[str]:
+        """End every unfinished request at once, with no output (the caller answers them): their blocks
+        are freed. After a step that raised, this brings the engine back to a consistent empty state."""
+        dropped = list(self.sequences)
+        for seq in list(self.sequences.values()):
+            self._finish(seq, "abort")
+        self.texts.clear()
+        self._pending = []
+        return dropped
+
     def has_unfinished(self) -> bool:
         return bool(self.sequences) or bool(self._pending)
 

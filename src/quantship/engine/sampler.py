@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from quantship.engine.sampling_params import SamplingParams
-from quantship.models.next_token import draw
+from quantship.models.next_token import GREEDY_BELOW, draw
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -22,7 +22,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """logits [S, V] → one token per row and, where asked, its log-probability under the model."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)  # one vectorised pass serves every greedy row
-    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if drawn:
         tokens[drawn] = torch.stack([sample_row(logits[i], params[i], generators[i]) for i in drawn])
     rows = [i for i, want in enumerate(want_logprobs) if want]

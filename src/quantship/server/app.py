@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantship.engine.async_engine import AsyncEngine, QueueFull
+from quantship.engine.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from quantship.server.asgi import StatusRecorder
 from quantship.server.faults import FaultInjector
 from quantship.server.metrics import ServerMetrics
@@ -157,6 +157,11 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
             stream = async_engine.submit(prompt_ids, params, priority=-body.priority, request_id=kind.request_id,
                                          arrival=getattr(request.state, "received_at", None),
                                          timeout_s=request_timeout_s)
+        except ShuttingDown as exc:  # draining, or the engine thread stopped after an error
+            if span is not None:
+                tracer.unbind(kind.request_id)
+            raise APIError(503, str(exc), type="service_unavailable",
+                           code="shutting_down" if not async_engine.accepting else "engine_stopped") from None
         except QueueFull as exc:
             if span is not None:
                 tracer.unbind(kind.request_id)
