@@ -14,7 +14,8 @@ COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantship.kernels import _fused_moe_triton as moe, _paged_attention_triton as attention, _wna16_triton as wna16
+from quantship.kernels import _elementwise_triton as elementwise, _fused_moe_triton as moe
+from quantship.kernels import _paged_attention_triton as attention, _wna16_triton as wna16
 
 def compile(fn, signature, constexprs):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
@@ -55,6 +56,15 @@ for rank, rope, block_n in ((512, 64, 32), (128, 16, 64)):  # DeepSeek-V2/V3's l
             "lengths_ptr": "*i32", "out_ptr": "*bf16", "stride_slots": "i32", "width": "i32", "heads": "i32",
             "scale": "fp32"}, {"RANK": rank, "ROPE": rope, "BLOCK_R": rank, "BLOCK_P": rope, "BLOCK_H": 16,
             "BLOCK_N": block_n})
+for block in (512, 4096, 8192):  # the bundled model's hidden size up to DeepSeek-V3's 7168
+    compile(elementwise.rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
+            "n": "i32", "eps": "fp32"}, {"BLOCK": block})
+compile(elementwise.silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32",
+        "stride_g": "i32", "stride_u": "i32"}, {"BLOCK": 1024})
+for interleaved, block in ((True, 32), (False, 64)):  # DeepSeek's 64 rope dims in pairs, Llama's 128 in halves
+    compile(elementwise.rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
+            "T": "i32", "half": "i32", "stride_a": "i32", "stride_t": "i32", "stride_cos": "i32"},
+            {"INTERLEAVED": interleaved, "BLOCK": block})
 """
 
 
@@ -62,4 +72,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 25
+    assert done.stdout.count(" ok") == 31

@@ -51,6 +51,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        protected: set[Sequence] = set()  # already in this step: never preempted for a later one
         ordered = sorted(self.running, key=rank)
         decodes = [s for s in ordered if not s.is_prefilling]
         prefills = [s for s in ordered if s.is_prefilling]
@@ -60,8 +61,9 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if self._reserve(seq, seq.num_computed + count, {s for s, _ in scheduled}):
+            if self._reserve(seq, seq.num_computed + count, protected):
                 scheduled.append((seq, count))
+                protected.add(seq)
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantship.kernels import elementwise, on_gpu_kernel
 from quantship.models.config import ModelConfig, RopeConfig, yarn_mscale
 from quantship.models.paged import PagedBatch
+
+
+def use_fused_ops(x: torch.Tensor) -> bool:
+    """Whether norms, rotary embeddings and SwiGLU products run as single Triton kernels
+    (kernels/elementwise.py): on the GPU, without autograd (the kernels have no backward)."""
+    return on_gpu_kernel(x) and not torch.is_grad_enabled()
 
 
 class RMSNorm(nn.Module):
@@ -19,10 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if use_fused_ops(x):
+            return elementwise.rms_norm(x, self.weight, self.eps)
+        return elementwise.reference_rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -90,13 +96,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [..., T, dim]; cos/sin: [T, dim/2], broadcast over leading dims."""
-        if self.interleaved:
-            a, b = x[..., 0::2], x[..., 1::2]
-        else:
-            a, b = x.chunk(2, dim=-1)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         # Output is in halves layout either way: q and k get the same permutation, so q·k is unchanged.
-        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        if use_fused_ops(x) and elementwise.rope_supports(x, cos, sin):
+            return elementwise.rope(x, cos, sin, self.interleaved)
+        return elementwise.reference_rope(x, cos, sin, self.interleaved)
 
 
 class MLP(nn.Module):
@@ -109,7 +112,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        product = elementwise.silu_mul if use_fused_ops(gate) else elementwise.reference_silu_mul
+        return self.down_proj(product(gate, up))
 
 
 class ContiguousCache:

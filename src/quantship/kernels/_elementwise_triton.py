@@ -1,0 +1,67 @@
+"""The Triton kernels behind kernels.elementwise (imported only when one is launched).
+
+Each rounds its intermediate results to the output dtype where the plain-torch code does (one
+PyTorch op = one rounding), so in bf16 they give what the unfused ops give, up to the order of a sum.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
+    """One row per program: out = w * round(x * rsqrt(mean(x²) + eps)), the mean in float32."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
+    """out = round(silu(g)) * u over one row and one block of columns per program."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    y = silu.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round(v, like):
+    return v.to(like.dtype).to(tl.float32)
+
+
+@triton.jit
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, half, stride_a, stride_t, stride_cos,
+                INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
+    """One (leading index, position) per program; the output is contiguous [A, T, 2*half] in halves
+    layout: (a cos - b sin, b cos + a sin), each product and sum rounded as the plain ops round."""
+    a_idx = tl.program_id(0)
+    t = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    base = x_ptr + a_idx * stride_a + t * stride_t
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...
+        a = tl.load(base + 2 * offs, mask=mask, other=0.0)
+        b = tl.load(base + 2 * offs + 1, mask=mask, other=0.0)
+    else:  # two halves
+        a = tl.load(base + offs, mask=mask, other=0.0)
+        b = tl.load(base + half + offs, mask=mask, other=0.0)
+    c = _round(tl.load(cos_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32), a)
+    s = _round(tl.load(sin_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32), a)
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    first = _round(_round(af * c, a) - _round(bf * s, a), a)
+    second = _round(_round(bf * c, a) + _round(af * s, a), a)
+    out = out_ptr + (a_idx * T + t) * 2 * half
+    tl.store(out + offs, first.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + half + offs, second.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,82 @@
+"""The small operations between the matmuls, fused: RMSNorm, SiLU(gate) * up, and rotary embedding.
+
+In a decode step at batch 1 the matmuls read the weights at full bandwidth, and what is left is the
+count of tiny kernels between them: written with plain torch ops, an RMSNorm is 7 kernels, a rotary
+embedding of q or k 9, SwiGLU's product 2, about 40 of a Llama layer's ~50. Inside a CUDA graph each
+still costs a few microseconds however little it computes, so a 32-layer model spends milliseconds
+per step on them. Each function here is one kernel, and `reference_*` is the plain computation it
+must equal (the model's own code, which runs everywhere else: CPU, float64, other shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] → weight * normalized x, in the dtype the plain code gives (x's and weight's promotion)."""
+    import triton
+
+    from quantship.kernels._elementwise_triton import rms_norm_kernel
+
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    block = triton.next_power_of_2(n)
+    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
+                                      num_warps=min(16, max(1, block // 512)))
+    return out.view(*x.shape[:-1], n)
+
+
+def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """SwiGLU's product of two [..., n] tensors in one pass."""
+    import triton
+
+    from quantship.kernels._elementwise_triton import silu_mul_kernel
+
+    n = gate.shape[-1]
+    g, u = gate.reshape(-1, n), up.reshape(-1, n)
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    out = torch.empty(g.shape, dtype=torch.result_type(gate, up), device=gate.device)
+    silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block,
+                                                         num_warps=4)
+    return out.view(*gate.shape[:-1], n)
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def rope_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """[T, d] or [A, T, d] with unit stride along d, and one cos row per position."""
+    return x.dim() in (2, 3) and x.stride(-1) == 1 and cos.dim() == 2 and cos.shape[0] == x.shape[-2] \
+        and cos.shape[1] * 2 == x.shape[-1] and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [A, T, d] (any strides but the last) or [T, d]; cos/sin [T, d/2] → a contiguous tensor of x's
+    shape in halves layout (rope_supports says which inputs it takes)."""
+    import triton
+
+    from quantship.kernels._elementwise_triton import rope_kernel
+
+    x3 = x if x.dim() == 3 else x[None]
+    heads, t, d = x3.shape
+    out = torch.empty(heads, t, d, dtype=x.dtype, device=x.device)
+    rope_kernel[(heads, t)](x3, cos, sin, out, t, d // 2, x3.stride(0), x3.stride(1), cos.stride(0),
+                            INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+    return out if x.dim() == 3 else out[0]

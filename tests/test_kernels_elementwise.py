@@ -1,0 +1,99 @@
+"""The fused RMSNorm, SwiGLU product and rotary embedding against the plain ops the model runs
+elsewhere (CPU: under Triton's interpreter), alone and inside whole decode steps."""
+
+import pytest
+import torch
+
+from quantship.kernels import elementwise
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+pytest.importorskip("triton")
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    # float32: only the order of the mean's sum differs; bf16: a rounding step apart at most, rarely.
+    tolerance = 1e-5 if out.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("shape", [(1, 384), (3, 5, 100), (2, 7168)])
+def test_rms_norm_equals_the_plain_ops(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).to(DEVICE)
+    weight = torch.rand(shape[-1], generator=g).to(DEVICE) + 0.5
+    for dtype in DTYPES:
+        _close(elementwise.rms_norm(x.to(dtype), weight.to(dtype), 1e-6),
+               elementwise.reference_rms_norm(x.to(dtype), weight.to(dtype), 1e-6))
+    # A strided view (every other row) and a float32 weight on a narrower input keep torch's promotion.
+    view = x.reshape(-1, shape[-1])[::2]
+    _close(elementwise.rms_norm(view, weight, 1e-5), elementwise.reference_rms_norm(view, weight, 1e-5))
+
+
+def test_silu_mul_equals_the_plain_ops_across_column_blocks():
+    g = torch.Generator().manual_seed(1)
+    both = (torch.randn(4, 2 * 1000, generator=g) * 4).to(DEVICE)
+    gate, up = both[:, :1000], both[:, 1000:]  # strided halves of one tensor, as a fused gate_up gives
+    for dtype in DTYPES:
+        _close(elementwise.silu_mul(gate.to(dtype), up.to(dtype), block=256),
+               elementwise.reference_silu_mul(gate.to(dtype), up.to(dtype)))
+    _close(elementwise.silu_mul(gate[:1, None], up[:1, None]), elementwise.reference_silu_mul(gate[:1, None], up[:1, None]))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_rope_equals_the_plain_ops(interleaved, dim):
+    g = torch.Generator().manual_seed(dim)
+    tokens, heads = 7, 3
+    positions = torch.tensor([0, 1, 2, 50, 51, 900, 4000])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = positions.float()[:, None] * inv_freq
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    # As the paged attention hands them over: q [T, H, D] transposed to [H, T, D], and a 2-D k.
+    q = torch.randn(tokens, heads, dim + 32, generator=g).to(DEVICE)[..., 32:].transpose(0, 1)
+    k = torch.randn(tokens, dim, generator=g).to(DEVICE)
+    for dtype in DTYPES:
+        for x in (q.to(dtype), k.to(dtype)):
+            c, s = cos.to(dtype), sin.to(dtype)
+            assert elementwise.rope_supports(x, c, s)
+            _close(elementwise.rope(x, c, s, interleaved), elementwise.reference_rope(x, c, s, interleaved))
+
+
+def test_rope_refuses_what_it_does_not_take():
+    x = torch.randn(2, 3, 5, 8)  # 4-D: the contiguous-cache path's [B, H, T, D]
+    cos = torch.randn(5, 4)
+    assert not elementwise.rope_supports(x, cos, cos)
+    strided = torch.randn(3, 5, 16)[..., ::2]  # [3, 5, 8] with a stride of 2 along the rotated axis
+    assert not elementwise.rope_supports(strided, cos, cos) and elementwise.rope_supports(strided.contiguous(), cos, cos)
+    assert not elementwise.rope_supports(x[0], cos[:4], cos[:4])  # one cos row per position
+
+
+@pytest.mark.parametrize("which", ["deepseek", "llama"])
+def test_a_decode_step_through_the_fused_ops_gives_the_same_logits(which, llama_dir, monkeypatch):
+    """The bundled DeepSeek-V3 (MLA + MoE, interleaved rope, q/kv norms) and a Llama model: a paged
+    prefill and decode step with every norm, rotary embedding and SwiGLU product fused, against the plain ops."""
+    from quantship.models import layers, paged
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+
+    model = load_model(TINY_DIR if which == "deepseek" else llama_dir, torch.float32, device=DEVICE)
+    calls = {"rms_norm": 0, "rope": 0, "silu_mul": 0}
+    for name in calls:
+        original = getattr(elementwise, name)
+        monkeypatch.setattr(elementwise, name, lambda *a, name=name, original=original, **k:
+                            calls.__setitem__(name, calls[name] + 1) or original(*a, **k))
+    block, lengths = 16, [5, 20]
+    ids = torch.randint(3, 1000, (sum(lengths) + 2,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    logits = []
+    with torch.inference_mode():
+        for fused in (False, True):
+            monkeypatch.setattr(layers, "use_fused_ops", lambda x, fused=fused: fused)
+            kv = [torch.zeros(8 * block, paged.cache_width(model.config), device=DEVICE) for _ in model.model.layers]
+            batch, positions = paged.PagedBatch.build(kv, [[0, 1], [2, 3]], [0, 0], lengths, block, DEVICE)
+            prefill = model(ids[None, :sum(lengths)], positions, batch)
+            batch, positions = paged.PagedBatch.build(kv, [[0, 1], [2, 3]], lengths, [1, 1], block, DEVICE)
+            logits.append((prefill, model(ids[None, sum(lengths):], positions, batch)))
+    assert all(calls.values()), calls  # each kind of op went through its kernel
+    for plain, fused in zip(*logits):
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
