@@ -7,12 +7,13 @@ import pytest
 import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationScheme
+from torch import nn
 
 from quantship.cli import main
 from quantship.errors import QuantshipError
 from quantship.models.bundled import TINY_DIR
 from quantship.models.loader import Checkpoint
-from quantship.models.quantized import PackedLinear, QuantLinear
+from quantship.models.quantized import PackedLinear, QuantLinear, runtime_linear
 from quantship.quant import pipeline
 from quantship.quant.pipeline import QuantizeOptions, quantize
 from quantship.verify.compare import quick_fidelity
@@ -67,6 +68,23 @@ def test_w4_weights_are_packed_eight_per_int32(quants):
     assert t["weight_shape"].tolist() == [512, 128]
     asym = _module_tensors(Checkpoint(quants["W4A16_ASYM"]), "model.layers.1.self_attn.kv_b_proj")
     assert asym["weight_zero_point"].dtype == torch.int32 and asym["weight_zero_point"].shape == (512 // 8, 1)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A8"])
+def test_mla_kv_b_proj_is_served_dequantized_once(quants, scheme):
+    """Absorbed MLA reads kv_b_proj whole in every layer of every decode step: the loader holds it
+    dequantized (in the model dtype) instead of dequantizing it per step; every other Linear stays quantized."""
+    ck = Checkpoint(quants[scheme])
+    layer = ck.layer(1, torch.float32)
+    kv_b = layer.self_attn.kv_b_proj
+    assert type(kv_b) is nn.Linear and kv_b.weight.dtype == torch.float32
+    stored = _module_tensors(ck, "model.layers.1.self_attn.kv_b_proj")
+    reader = ck.quantized
+    quantized, activations = reader.read_linear("model.layers.1.self_attn.kv_b_proj", dict(stored))
+    torch.testing.assert_close(kv_b.weight, runtime_linear(quantized, activations).dequantized_weight(torch.float32))
+    others = [m for n, m in layer.named_modules() if isinstance(m, (nn.Linear, PackedLinear, QuantLinear))
+              and n != "self_attn.kv_b_proj"]
+    assert others and all(isinstance(m, (PackedLinear, QuantLinear)) for m in others)
 
 
 def test_output_is_a_complete_checkpoint(quants):

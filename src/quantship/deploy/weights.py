@@ -15,6 +15,7 @@ from quantship.engine.memory import int4_decode_copy
 from quantship.errors import QuantshipError
 from quantship.formats.compressed_tensors import CompressedTensorsReader
 from quantship.models.config import ModelConfig
+from quantship.models.loader import ABSORBED
 from quantship.models.quantized import quant_linear, weight_bytes
 from quantship.quant.scheme import DEFAULT_IGNORE, PRESETS, get_scheme, is_ignored
 
@@ -89,7 +90,7 @@ class _Assigner:
             self.ignore = tuple(qconfig.get("ignore") or ())
 
     def __call__(self, name: str, linear: nn.Linear) -> Spec | None:
-        if is_ignored(name, self.ignore):
+        if is_ignored(name, self.ignore) or name.endswith(ABSORBED):  # the loader dequantizes MLA's kv_b_proj
             return None
         if self.reader is not None:
             group = self.reader.scheme_for(name)

@@ -108,8 +108,7 @@ def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, qu
 
         latent = c.kv_lora_rank + c.qk_rope_head_dim
         heads = c.num_attention_heads
-        attention = (tokens * heads * (c.qk_head_dim + latent) * b  # q, absorbed q
-                     + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * b)  # kv_b_proj, dequantized
+        attention = tokens * heads * (c.qk_head_dim + latent) * b  # q, absorbed q
         if decode_kernel(c, cuda) and queries == 1:
             attention += tokens * heads * c.kv_lora_rank * FLOAT32
         else:  # the gathered latent, and SDPA's scores whole (heads chunked within SCORES_BUDGET), twice

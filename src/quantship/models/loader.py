@@ -30,6 +30,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED = re.compile(r"^(.*mlp\.experts\.)(gate_up_proj|down_proj)$")
 
 
+ABSORBED = "self_attn.kv_b_proj"  # kept dequantized when loaded (see Checkpoint._swap_quantized)
+
+
 def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with transformers 5's fused expert tensors ([E, 2I, H] gate+up, [E, H, I] down) split
     into the per-expert Linear weights the published checkpoints and our model use (views, no copy)."""
@@ -191,6 +194,12 @@ class Checkpoint:
             local = {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
             weight, activations = self.quantized.read_linear(f"{prefix}.{name}", local)
             new = runtime_linear(weight, activations, local.pop("bias", None))
+            if name == ABSORBED:
+                # MLA's decode absorbs this weight into the queries and the output, reading it whole in
+                # every layer of every step: it is held dequantized, once (vLLM does the same), instead of
+                # dequantized per step. A few percent of the weights (DeepSeek-V3: 1 GB more in W4A16).
+                state[f"{name}.weight"] = new.dequantized_weight(torch.float32)
+                continue
             owner, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(owner) if owner else layer, attr, new)
             state.update({f"{name}.{k}": v for k, v in new.state_dict().items()})
