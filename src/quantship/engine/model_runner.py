@@ -9,6 +9,7 @@ import torch
 from quantship.engine.cuda_graphs import DecodeGraphs
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
+from quantship.models.merged import merge_projections
 from quantship.models.paged import PagedBatch, cache_width
 
 log = logging.getLogger("quantship.engine")
@@ -19,6 +20,7 @@ class ModelRunner:
                  max_seqs: int = 64, max_len: int = 2048, expert_stats: bool = False):
         self.model = model
         self.block_size = block_size
+        merge_projections(model)  # q/k/v and gate/up as one matmul each: fewer, longer weight reads per step
         first = next(model.parameters())
         self.device, self.dtype = first.device, model.model.embed_tokens.weight.dtype
         width = cache_width(model.config)

@@ -9,7 +9,7 @@ from torch import nn
 from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
 from quantship.kernels.fused_moe import BLOCK_K as FUSED_MOE_BLOCK_K, ExpertWeights, fused_moe
 from quantship.models.config import ModelConfig
-from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
+from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
 from quantship.models.paged import PagedBatch, dense_weight
 from quantship.models.quantized import PackedLinear
 
@@ -17,7 +17,7 @@ from quantship.models.quantized import PackedLinear
 SCORES_BUDGET = 1 << 28
 
 
-class MLAttention(nn.Module):
+class MLAttention(nn.Module, SharedInput):
     """MLA: keys and values are rebuilt from a small latent c_kv (kv_lora_rank) plus a shared rope key.
 
     What a cache must keep per token is only (c_kv, k_rope): kv_lora_rank + qk_rope_head_dim numbers.
@@ -29,7 +29,7 @@ class MLAttention(nn.Module):
         self.heads, self.nope, self.rope_dim, self.v_dim = (
             c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         )
-        self.kv_lora_rank = c.kv_lora_rank
+        self.kv_lora_rank, self.q_lora_rank = c.kv_lora_rank, c.q_lora_rank
         qk = c.qk_head_dim
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.hidden_size, self.heads * qk, bias=False)
@@ -44,21 +44,25 @@ class MLAttention(nn.Module):
         self.rotary = RotaryEmbedding(c)
         self.scale = c.softmax_scale
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def input_names(self) -> tuple[str, ...]:
+        """The Linears reading the layer's input: the queries' first projection and the latent's."""
+        return ("q_proj" if self.q_lora_rank is None else "q_a_proj"), "kv_a_proj_with_mqa"
+
+    def queries(self, first: torch.Tensor) -> torch.Tensor:
+        """All heads' queries from the first projection's output (q_proj's, or q_a_proj's latent)."""
+        return first if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(first))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | None = None, index: int = 0
     ) -> torch.Tensor:
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
-        q = self.queries(x).view(b, t, self.heads, -1).transpose(1, 2)
+        first, latent = self.project(x)
+        q = self.queries(first).reshape(b, t, self.heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         q = torch.cat((q_nope, self.rotary(q_rope, cos, sin)), dim=-1)
 
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv, k_rope = self.kv_a_layernorm(c_kv), self.rotary(k_rope, cos, sin)
         if cache is not None:
             c_kv, k_rope = cache.update(index, (c_kv, k_rope))
@@ -78,9 +82,10 @@ class MLAttention(nn.Module):
         x = x[0]  # [N, hidden]: the engine packs all sequences into one row
         n = x.shape[0]
         cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
-        q_nope, q_rope = self.queries(x).view(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        first, latent = self.project(x)
+        q_nope, q_rope = self.queries(first).reshape(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         q_rope = self.rotary(q_rope.transpose(0, 1), cos, sin).transpose(0, 1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         batch.write(index, torch.cat((self.kv_a_layernorm(c_kv), self.rotary(k_rope, cos, sin)), dim=-1))
 
         w = dense_weight(self.kv_b_proj, x.dtype).view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)

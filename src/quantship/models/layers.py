@@ -102,7 +102,21 @@ class RotaryEmbedding(nn.Module):
         return elementwise.reference_rope(x, cos, sin, self.interleaved)
 
 
-class MLP(nn.Module):
+class SharedInput:
+    """A module some of whose Linears (input_names) read the same input. For serving, models/merged.py
+    may replace them by one matmul (the attribute `merged`); project(x) gives their outputs either way."""
+
+    def input_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        merged = getattr(self, "merged", None)
+        if merged is not None:
+            return merged(x)
+        return tuple(getattr(self, name)(x) for name in self.input_names())
+
+
+class MLP(nn.Module, SharedInput):
     """SwiGLU feed-forward: the dense MLP, each routed expert and the shared experts."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
@@ -111,8 +125,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
+    def input_names(self) -> tuple[str, ...]:
+        return "gate_proj", "up_proj"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.project(x)
         product = elementwise.silu_mul if use_fused_ops(gate) else elementwise.reference_silu_mul
         return self.down_proj(product(gate, up))
 

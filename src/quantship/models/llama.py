@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from quantship.models.config import ModelConfig
-from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, attend
+from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
 from quantship.models.paged import PagedBatch
 
 
-class GQAttention(nn.Module):
+class GQAttention(nn.Module, SharedInput):
     """qkv_bias/o_bias default to the config's attention_bias (Llama); qk_norm adds a per-head
     RMSNorm on q and k before rope (Qwen3)."""
 
@@ -32,6 +32,9 @@ class GQAttention(nn.Module):
         self.rotary = RotaryEmbedding(c)
         self.scale = c.softmax_scale
 
+    def input_names(self) -> tuple[str, ...]:
+        return "q_proj", "k_proj", "v_proj"
+
     def split_heads(self, projected: torch.Tensor, count: int, norm: RMSNorm | None) -> torch.Tensor:
         """[..., count * D] → [..., count, D], normalized per head when the model has q/k norms."""
         t = projected.unflatten(-1, (count, self.head_dim))
@@ -47,9 +50,10 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         cos, sin = self.rotary.cos_sin(positions)
-        q = self.rotary(self.split_heads(self.q_proj(x), self.heads, self.q_norm).transpose(1, 2), cos, sin)
-        k = self.rotary(self.split_heads(self.k_proj(x), self.kv_heads, self.k_norm).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(b, t, self.kv_heads, -1).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = self.rotary(self.split_heads(q, self.heads, self.q_norm).transpose(1, 2), cos, sin)
+        k = self.rotary(self.split_heads(k, self.kv_heads, self.k_norm).transpose(1, 2), cos, sin)
+        v = v.reshape(b, t, self.kv_heads, -1).transpose(1, 2)
         if cache is not None:
             # The cache concatenates along dim 1, so store [B, T, kv_heads, D].
             k, v = (z.transpose(1, 2) for z in cache.update(index, (k.transpose(1, 2), v.transpose(1, 2))))
@@ -61,10 +65,11 @@ class GQAttention(nn.Module):
         x = x[0]  # [N, hidden]: the engine packs all sequences into one row
         n = x.shape[0]
         cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
-        q = self.rotary(self.split_heads(self.q_proj(x), self.heads, self.q_norm).transpose(0, 1), cos, sin)
-        k = self.rotary(self.split_heads(self.k_proj(x), self.kv_heads, self.k_norm).transpose(0, 1), cos, sin)
+        q, k, v = self.project(x)
+        q = self.rotary(self.split_heads(q, self.heads, self.q_norm).transpose(0, 1), cos, sin)
+        k = self.rotary(self.split_heads(k, self.kv_heads, self.k_norm).transpose(0, 1), cos, sin)
         q, k = q.transpose(0, 1), k.transpose(0, 1)
-        batch.write(index, torch.cat((k.reshape(n, -1), self.v_proj(x)), dim=-1))
+        batch.write(index, torch.cat((k.reshape(n, -1), v), dim=-1))
         decoded = batch.decode_attention(index, q, self.kv_heads, self.scale)
         if decoded is not None:
             return self.o_proj(decoded.reshape(n, -1))[None]

@@ -92,6 +92,24 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._decode = None  # (weight, scales_and_zeros) in tinygemm's layout, made on the first CUDA decode
 
+    @classmethod
+    def concatenated(cls, parts: list[PackedLinear]) -> PackedLinear:
+        """One PackedLinear whose outputs are the parts' side by side. The packed layout holds an output
+        per column ([K/P, N]), so the parts' packed values, scales and zero points concatenate along N
+        as they are; they must share bits, group size, input size and zero points' presence."""
+        first = parts[0]
+        merged = cls.__new__(cls)
+        nn.Module.__init__(merged)
+        merged.in_features, merged.bits, merged.group_size = first.in_features, first.bits, first.group_size
+        merged.out_features = sum(p.out_features for p in parts)
+        for name in ("weight_packed", "weight_scale", "weight_zero_point"):
+            tensors = [getattr(p, name) for p in parts]
+            merged.register_buffer(name, None if tensors[0] is None else torch.cat(tensors, dim=1))
+        biases = [p.bias for p in parts]
+        merged.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+        merged._decode = None
+        return merged
+
     def decode_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """int4 weights also in PyTorch's tinygemm layout: at batch sizes up to 16 it measured 2-3x faster
         than our Triton tiles on an H200 (benchmarks/kernel_wna16.py). Costs a second copy of the packed
