@@ -113,8 +113,12 @@ def quantized_copy(model, bits: int = 4, group: int = 128):
     from quantship.quant.rtn import rtn_quantize
     from quantship.quantized_tensor import WeightQuant
 
+    from quantship.models.merged import merge_projections
+
     with torch.device("meta"):
         copy = CausalLM(model.config)
+        if any(getattr(m, "merged", None) is not None for m in model.modules()):
+            merge_projections(copy)  # an engine already merged the source's projections: same structure
     copy.load_state_dict(model.state_dict(), assign=True)
     args = WeightQuant(num_bits=bits, group_size=group)
     for layer in copy.model.layers:
