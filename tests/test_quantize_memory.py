@@ -91,3 +91,17 @@ def test_peak_host_memory_does_not_grow_with_depth(tmp_path, method):
         assert len(json.loads((tmp_path / f"out-{layers}" / "quantship_recipe.json").read_text())) > 0
     # Three more layers of ~60 MB each in float32: holding them (or their activations) would add ~180 MB.
     assert grown[6] - grown[3] < layer_bytes, (grown, layer_bytes)
+
+
+def test_calibration_activations_move_to_the_host_when_large_for_the_gpu(monkeypatch):
+    """DeepSeek-V3's width at 512 x 2048 tokens is 30 GB of float32 activations per copy: on an 80 GB
+    GPU they live in host memory (batches go to the GPU as layers run); small sets stay on the GPU."""
+    from types import SimpleNamespace
+
+    from quantship.quant.pipeline import _activation_store
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    cuda = torch.device("cuda")
+    assert _activation_store(cuda, torch.zeros(512, 2048, dtype=torch.long), 7168).type == "cpu"
+    assert _activation_store(cuda, torch.zeros(128, 2048, dtype=torch.long), 4096).type == "cuda"
+    assert _activation_store(torch.device("cpu"), torch.zeros(512, 2048, dtype=torch.long), 7168).type == "cpu"

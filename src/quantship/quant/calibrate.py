@@ -101,7 +101,7 @@ def collect_stats(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tenso
     try:
         for start in range(0, hidden.shape[0], batch):
             first_reader.clear()
-            layer(hidden[start:start + batch], positions)
+            layer(hidden[start:start + batch].to(positions.device), positions)  # activations may live on the host
     finally:
         for h in handles:
             h.remove()
@@ -118,7 +118,7 @@ def _all_token_stats(layer, moe: MoE, hidden, positions, want_hessian, batch, st
     shared_input = InputStats()
     downs = [InputStats() for _ in moe.experts]
     for start in range(0, hidden.shape[0], batch):
-        x = hidden[start:start + batch]
+        x = hidden[start:start + batch].to(positions.device)
         x = x + layer.self_attn(layer.input_layernorm(x), positions)
         x = layer.post_attention_layernorm(x).reshape(-1, x.shape[-1])
         shared_input.add(x, want_hessian)

@@ -50,10 +50,11 @@ def calibration_input(layer: MTPLayer, tokens: torch.Tensor, hidden: torch.Tenso
                       eps: float, batch: int = 8) -> torch.Tensor:
     """[N, T-1, H]: the MTP block's input at positions 0..T-2, from the last main layer's output `hidden`
     [N, T, H] (before the final norm) and the calibration tokens [N, T]."""
-    norm = RMSNorm(hidden.shape[-1], eps).to(hidden.device)
-    norm.weight.data = norm_weight.to(hidden.device, hidden.dtype)
+    device = next(layer.parameters()).device  # the activations may live on the host (pipeline._activation_store)
+    norm = RMSNorm(hidden.shape[-1], eps).to(device)
+    norm.weight.data = norm_weight.to(device, hidden.dtype)
     parts = []
     for s in range(0, hidden.shape[0], batch):
-        ids = tokens[s:s + batch, 1:].to(hidden.device)
-        parts.append(layer.block_input(ids, norm(hidden[s:s + batch, :-1])))
+        ids = tokens[s:s + batch, 1:].to(device)
+        parts.append(layer.block_input(ids, norm(hidden[s:s + batch, :-1].to(device))).to(hidden.device))
     return torch.cat(parts)

@@ -256,8 +256,26 @@ def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype
 
 
 def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """The layer's output for every calibration sequence, kept where `hidden` is (see _activation_store)."""
+    device = positions.device
     with torch.no_grad():
-        return torch.cat([layer(hidden[s:s + batch], positions) for s in range(0, hidden.shape[0], batch)])
+        return torch.cat([layer(hidden[s:s + batch].to(device), positions).to(hidden.device)
+                          for s in range(0, hidden.shape[0], batch)])
+
+
+# Calibration activations go to host memory once they would take more than this share of the GPU:
+# two copies live while a layer runs (its input and its output), and at DeepSeek-V3's width 512
+# samples of 2048 tokens are 30 GB each in float32. Batches of 8 sequences go to the GPU as needed.
+OFFLOAD_SHARE = 0.1
+
+
+def _activation_store(device: torch.device, tokens: torch.Tensor, hidden_size: int) -> torch.device:
+    """Where the calibration activations live between layers: the compute device, or the host."""
+    if device.type != "cuda":
+        return device
+    size = tokens.numel() * hidden_size * 4
+    return torch.device("cpu") if size > OFFLOAD_SHARE * torch.cuda.get_device_properties(device).total_memory \
+        else device
 
 
 def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positions: torch.Tensor,
@@ -396,15 +414,19 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
     compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
     calibrated = METHODS[opts.method].calibrated
     positions = torch.arange(tokens.shape[1], device=device)
+    store = _activation_store(torch.device(device), tokens, ck.config.hidden_size)
     if run.state:
         hidden, tallies = run.restore(writer)
-        hidden = hidden.to(device) if hidden is not None else None
+        hidden = hidden.to(store) if hidden is not None else None
     else:
         outer = ck.outer_state()
         for name, tensor in outer.items():
             writer.add(name, tensor)
         embed = outer["model.embed_tokens.weight"]
-        hidden = F.embedding(tokens.to(device), embed.to(device, compute_dtype)) if calibrated else None
+        table = embed.to(device, compute_dtype)
+        hidden = torch.cat([F.embedding(t.to(device), table).to(store) for t in tokens.split(8)]) if calibrated \
+            else None
+        del table
         del embed, outer
         writer.end_of_layer()
         tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
