@@ -63,7 +63,8 @@ compile(elementwise.silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_p
         "stride_g": "i32", "stride_u": "i32"}, {"BLOCK": 1024})
 for interleaved, block in ((True, 32), (False, 64)):  # DeepSeek's 64 rope dims in pairs, Llama's 128 in halves
     compile(elementwise.rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
-            "T": "i32", "half": "i32", "stride_a": "i32", "stride_t": "i32", "stride_cos": "i32"},
+            "half": "i32", "stride_a": "i32", "stride_t": "i32", "stride_cos": "i32", "out_stride_a": "i32",
+            "out_stride_t": "i32"},
             {"INTERLEAVED": interleaved, "BLOCK": block})
 """
 

@@ -57,7 +57,10 @@ def test_rope_equals_the_plain_ops(interleaved, dim):
         for x in (q.to(dtype), k.to(dtype)):
             c, s = cos.to(dtype), sin.to(dtype)
             assert elementwise.rope_supports(x, c, s)
-            _close(elementwise.rope(x, c, s, interleaved), elementwise.reference_rope(x, c, s, interleaved))
+            out = elementwise.rope(x, c, s, interleaved)
+            _close(out, elementwise.reference_rope(x, c, s, interleaved))
+            # Laid out [T, heads, D]: what the paged attention transposes it back to, without a copy.
+            assert (out.transpose(0, 1) if out.dim() == 3 else out).is_contiguous()
 
 
 def test_rope_refuses_what_it_does_not_take():

@@ -42,10 +42,10 @@ def _round(v, like):
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, half, stride_a, stride_t, stride_cos,
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, half, stride_a, stride_t, stride_cos, out_stride_a, out_stride_t,
                 INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
-    """One (leading index, position) per program; the output is contiguous [A, T, 2*half] in halves
-    layout: (a cos - b sin, b cos + a sin), each product and sum rounded as the plain ops round."""
+    """One (leading index, position) per program; the output [A, T, 2*half] is in halves layout:
+    (a cos - b sin, b cos + a sin), each product and sum rounded as the plain ops round."""
     a_idx = tl.program_id(0)
     t = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -62,6 +62,6 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, half, stride_a, stride_t, s
     af, bf = a.to(tl.float32), b.to(tl.float32)
     first = _round(_round(af * c, a) - _round(bf * s, a), a)
     second = _round(_round(bf * c, a) + _round(af * s, a), a)
-    out = out_ptr + (a_idx * T + t) * 2 * half
+    out = out_ptr + a_idx * out_stride_a + t * out_stride_t
     tl.store(out + offs, first.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + half + offs, second.to(out_ptr.dtype.element_ty), mask=mask)

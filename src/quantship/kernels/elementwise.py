@@ -68,15 +68,18 @@ def rope_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [A, T, d] (any strides but the last) or [T, d]; cos/sin [T, d/2] → a contiguous tensor of x's
-    shape in halves layout (rope_supports says which inputs it takes)."""
+    """x [A, T, d] (any strides but the last) or [T, d]; cos/sin [T, d/2] → x's shape in halves layout
+    (rope_supports says which inputs it takes). The result of a 3-D x is laid out [T, A, d] in memory
+    (a transposed view): the paged attention transposes its heads back to [T, A, d], which is then
+    contiguous, so neither the decode kernel's input nor the cache write needs a copy."""
     import triton
 
     from quantship.kernels._elementwise_triton import rope_kernel
 
     x3 = x if x.dim() == 3 else x[None]
     heads, t, d = x3.shape
-    out = torch.empty(heads, t, d, dtype=x.dtype, device=x.device)
-    rope_kernel[(heads, t)](x3, cos, sin, out, t, d // 2, x3.stride(0), x3.stride(1), cos.stride(0),
-                            INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+    out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device).transpose(0, 1)
+    rope_kernel[(heads, t)](x3, cos, sin, out, d // 2, x3.stride(0), x3.stride(1), cos.stride(0), out.stride(0),
+                            out.stride(1), INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(d // 2),
+                            num_warps=1)
     return out if x.dim() == 3 else out[0]
