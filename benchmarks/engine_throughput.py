@@ -109,11 +109,10 @@ def quantized_copy(model, bits: int = 4, group: int = 128):
     """The same model with every decoder Linear RTN-quantized (symmetric, group 128) into PackedLinear;
     embeddings, norms and lm_head shared with the original (no copy)."""
     from quantship.models.causal_lm import CausalLM
+    from quantship.models.merged import merge_projections
     from quantship.models.quantized import quant_linear
     from quantship.quant.rtn import rtn_quantize
     from quantship.quantized_tensor import WeightQuant
-
-    from quantship.models.merged import merge_projections
 
     with torch.device("meta"):
         copy = CausalLM(model.config)

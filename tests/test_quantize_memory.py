@@ -107,3 +107,41 @@ def test_calibration_activations_move_to_the_host_when_large_for_the_gpu(monkeyp
     assert _activation_store(cuda, torch.zeros(512, 2048, dtype=torch.long), 7168).type == "cpu"
     assert _activation_store(cuda, torch.zeros(128, 2048, dtype=torch.long), 4096).type == "cuda"
     assert _activation_store(torch.device("cpu"), torch.zeros(512, 2048, dtype=torch.long), 7168).type == "cpu"
+
+
+def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch):
+    """With more routed experts than their Hessians' budget, GPTQ gathers and solves them a group at a
+    time (one calibration pass per group): every tensor written is the one a single pass writes."""
+    from safetensors.torch import load_file
+
+    from quantship.models.config import load_config
+    from quantship.quant import pipeline
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    config = load_config(TINY_DIR)
+    per_expert = 4 * (config.hidden_size ** 2 + config.moe_intermediate_size ** 2)
+    passes = []
+    original = pipeline.collect_stats
+    monkeypatch.setattr(pipeline, "collect_stats", lambda *a, **k: passes.append(k["experts"]) or original(*a, **k))
+    options = QuantizeOptions(scheme="W4A16", method="gptq", samples=8, seq_len=64)
+    quantize("tiny", tmp_path / "one", options, progress=False)
+    assert set(passes) == {None}
+    passes.clear()
+    monkeypatch.setattr(pipeline, "EXPERT_HESSIAN_BYTES", 3 * per_expert)
+    quantize("tiny", tmp_path / "groups", options, progress=False)
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    assert passes.count(range(0, 3)) == passes.count(range(6, 8)) == moe_layers  # 8 experts: 3 + 3 + 2
+
+    def tensors(out):
+        merged = {}
+        for shard in sorted(out.glob("*.safetensors")):
+            merged.update(load_file(shard))
+        return merged
+
+    recipes = [json.loads((tmp_path / d / "quantship_recipe.json").read_text()) for d in ("one", "groups")]
+    assert recipes[0]["tokens_per_expert"] == recipes[1]["tokens_per_expert"]
+    assert recipes[0]["fallbacks"] == recipes[1]["fallbacks"]
+    one, groups = tensors(tmp_path / "one"), tensors(tmp_path / "groups")
+    assert one.keys() == groups.keys()
+    for name in one:
+        assert torch.equal(one[name], groups[name]), name

@@ -75,9 +75,11 @@ def linear_names(layer: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def collect_stats(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, want_hessian: bool,
-                  batch: int = 8, keep_rows: int = 0) -> LayerStats:
+                  batch: int = 8, keep_rows: int = 0, experts: range | None = None, others: bool = True) -> LayerStats:
+    """Statistics of the layer's Linears over the calibration inputs: of the routed experts in `experts`
+    (None: all) and, with `others`, of every other Linear. The layer runs whole either way."""
     stats = LayerStats()
-    names = linear_names(layer)
+    names = [n for n in linear_names(layer) if _wanted(n, experts, others)]
     handles = []
     # Linears that read the very same tensor (q/k/v, gate/up, q_a/kv_a) share one statistics object,
     # so each Hessian is accumulated once.
@@ -108,23 +110,32 @@ def collect_stats(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tenso
     for name, owner in alias.items():
         stats.routed[name] = stats.routed[owner]
     if moe is not None:
-        stats.expert_tokens = [stats.routed[f"mlp.experts.{e}.gate_proj"].tokens for e in range(len(moe.experts))]
-        _all_token_stats(layer, moe, hidden, positions, want_hessian, batch, stats)
+        chosen = range(len(moe.experts)) if experts is None else experts
+        stats.expert_tokens = [stats.routed[f"mlp.experts.{e}.gate_proj"].tokens for e in chosen]
+        _all_token_stats(layer, moe, hidden, positions, want_hessian, batch, stats, chosen)
     return stats
 
 
-def _all_token_stats(layer, moe: MoE, hidden, positions, want_hessian, batch, stats: LayerStats) -> None:
-    """Run every token through every expert for statistics only (outputs are discarded)."""
+def _wanted(name: str, experts: range | None, others: bool) -> bool:
+    if not name.startswith("mlp.experts."):
+        return others
+    return experts is None or int(name.split(".")[2]) in experts
+
+
+def _all_token_stats(layer, moe: MoE, hidden, positions, want_hessian, batch, stats: LayerStats,
+                     experts: range) -> None:
+    """Run every token through each expert in `experts` for statistics only (outputs are discarded)."""
     shared_input = InputStats()
-    downs = [InputStats() for _ in moe.experts]
+    downs = {e: InputStats() for e in experts}
     for start in range(0, hidden.shape[0], batch):
         x = hidden[start:start + batch].to(positions.device)
         x = x + layer.self_attn(layer.input_layernorm(x), positions)
         x = layer.post_attention_layernorm(x).reshape(-1, x.shape[-1])
         shared_input.add(x, want_hessian)
-        for e, expert in enumerate(moe.experts):
+        for e in experts:
+            expert = moe.experts[e]
             downs[e].add(F.silu(expert.gate_proj(x)) * expert.up_proj(x), want_hessian)
-    for e in range(len(moe.experts)):
+    for e in experts:
         for proj in ("gate_proj", "up_proj"):
             stats.all_tokens[f"mlp.experts.{e}.{proj}"] = shared_input
         stats.all_tokens[f"mlp.experts.{e}.down_proj"] = downs[e]

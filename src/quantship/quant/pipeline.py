@@ -278,6 +278,32 @@ def _activation_store(device: torch.device, tokens: torch.Tensor, hidden_size: i
         else device
 
 
+# GPTQ holds one Hessian per input of every Linear it solves. DeepSeek-V3's 256 routed experts take 57 GB
+# of them in float32 (7168² for gate/up, 2048² for down, each expert): past this budget the experts'
+# statistics are gathered and solved a group at a time, one calibration pass of the layer per group.
+EXPERT_HESSIAN_BYTES = 8 << 30
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+
+
+def _expert_groups(layer: nn.Module) -> list[range | None]:
+    """[None] (every expert in one pass), or ranges of routed experts whose Hessians fit the budget."""
+    experts = getattr(layer.mlp, "experts", None)
+    if not experts:
+        return [None]
+    first = experts[0]
+    per_expert = 4 * (first.gate_proj.in_features ** 2 + first.down_proj.in_features ** 2)  # gate/up share one
+    size = max(1, EXPERT_HESSIAN_BYTES // per_expert)
+    if size >= len(experts):
+        return [None]
+    return [range(start, min(start + size, len(experts))) for start in range(0, len(experts), size)]
+
+
+def _in_group(name: str, group: range | None, first: bool) -> bool:
+    """Whether a Linear is solved in this pass: its routed expert is in the group; any other, in the first."""
+    match = _EXPERT.match(name)
+    return (group is None or int(match.group(1)) in group) if match else first
+
+
 def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positions: torch.Tensor,
                     chosen: dict[str, Scheme], opts: QuantizeOptions, writer: ShardWriter,
                     out_dtype: torch.dtype, workers: Workers) -> dict:
@@ -295,15 +321,25 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
                            quantized=set(searched))
         fallbacks += [f"mlp.experts.{e}" for e in report.pop("expert_fallbacks", [])]
         awq_report = {prefix + k: v for k, v in report.items()}
-    if hidden is None:  # RTN: nothing to measure
-        stats = LayerStats()
-    else:
-        stats = collect_stats(layer, hidden, positions, want_hessian=method.gptq, keep_rows=method.kept_rows)
-    weights = {n: layer.get_submodule(n).weight.data for n in schemes}
-    if method.awq:
-        weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
-                   for n, w in weights.items()}
-    quantized = _quantize_weights(weights, schemes, opts, stats, fallbacks, workers)
+    quantized: dict[str, QuantizedTensor] = {}
+    expert_tokens: list[int] = []
+    groups = _expert_groups(layer) if method.gptq and hidden is not None else [None]
+    for number, group in enumerate(groups):
+        # With several groups each pass hooks one group of routed experts (the first pass also every other
+        # Linear); statistics come from the unquantized layer in every pass, so the results are the same.
+        names = [n for n in schemes if _in_group(n, group, number == 0)]
+        if hidden is None:  # RTN: nothing to measure
+            stats = LayerStats()
+        else:
+            stats = collect_stats(layer, hidden, positions, want_hessian=method.gptq, keep_rows=method.kept_rows,
+                                  experts=group, others=number == 0)
+        weights = {n: layer.get_submodule(n).weight.data for n in names}
+        if method.awq:
+            weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
+                       for n, w in weights.items()}
+        quantized.update(_quantize_weights(weights, {n: schemes[n] for n in names}, opts, stats, fallbacks, workers))
+        expert_tokens += stats.expert_tokens
+        del stats, weights  # this group's Hessians
     for name, q in quantized.items():
         _assert_finite(q, prefix + name)
         _swap(layer, name, q, schemes[name], out_dtype)
@@ -313,7 +349,7 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
         # Norms, routers, ignored Linears and biases stay in the original dtype.
         if key.rsplit(".", 1)[0] not in schemes or key.endswith(".bias"):
             writer.add(prefix + key, tensor.to(_tensor_dtype(key, out_dtype)))
-    return {"expert_tokens": stats.expert_tokens, "fallbacks": [prefix + f for f in fallbacks], "awq": awq_report}
+    return {"expert_tokens": expert_tokens, "fallbacks": [prefix + f for f in fallbacks], "awq": awq_report}
 
 
 def _tensor_dtype(name: str, out_dtype: torch.dtype) -> torch.dtype:
