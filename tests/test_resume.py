@@ -124,3 +124,34 @@ def test_rtn_runs_no_calibration_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "collect_stats", forbidden)
     recipe = quantize("tiny", tmp_path / "q", QuantizeOptions(samples=4, seq_len=64))
     assert recipe["calibration"] == {} and recipe["tokens_per_expert"] == {}
+
+
+def test_large_activations_are_recorded_only_as_often_as_a_tenth_of_the_time(tmp_path, monkeypatch):
+    """A record of DeepSeek-V3-sized activations costs a minute: it is skipped until the time since the
+    last one is ten times what that one cost; small ones are recorded after every layer."""
+    import torch
+
+    from quantship.quant import resume as R
+
+    clock = [100.0]
+    monkeypatch.setattr(R.time, "monotonic", lambda: clock[0])
+    written = []
+
+    def slow_record(self, next_layer, writer, hidden, tallies):
+        written.append(next_layer)
+        clock[0] += 60.0  # writing 30 GB
+
+    monkeypatch.setattr(R.ResumableRun, "_record", slow_record)
+    run = R.ResumableRun(tmp_path / "partial", {}, resume=False)
+    large = torch.empty(1).expand(R.ALWAYS_RECORD_BYTES // 4 + 1)  # counted by size, never allocated
+    for layer in range(1, 9):
+        clock[0] += 150.0  # a layer's work
+        run.record(layer, None, large, {})
+    # 60 s records need 600 s of work between them: after layers 1, 5 (4 x 150 s later) and then 9.
+    assert written == [1, 5]
+    small = torch.zeros(4)
+    for layer in range(9, 12):
+        clock[0] += 1.0
+        run.record(layer, None, small, {})
+    assert written == [1, 5, 9, 10, 11]
+    run.release()

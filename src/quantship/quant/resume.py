@@ -1,12 +1,13 @@
 """Resumable quantize runs: what a run keeps in its hidden temporary directory, and how it goes on.
 
-After every decoder layer the run records, in `.OUT.partial/resume/`, where it stands: the next
-layer, the shards already written, the tensors not yet flushed to a shard, the calibration
-activations the next layer reads, and the recipe's running tallies. The record is replaced
-atomically (a new state.json names its files; older files go only after), so a run killed at any
-moment leaves the previous layer's record intact. `--resume` restores it and continues from the
-first unfinished layer; since the shard writer and the activations are restored exactly, the
-output is byte for byte what an uninterrupted run writes. A changed setting is refused, naming it.
+After every decoder layer (with large activations, as often as costs a tenth of the run's time) the
+run records, in `.OUT.partial/resume/`, where it stands: the next layer, the shards already written,
+the tensors not yet flushed to a shard, the calibration activations the next layer reads, and the
+recipe's running tallies. The record is replaced atomically (a new state.json names its files; older
+files go only after), so a run killed at any moment leaves the previous record intact. `--resume`
+restores it and continues from the first layer after it; since the shard writer and the activations
+are restored exactly, the output is byte for byte what an uninterrupted run writes. A changed setting
+is refused, naming it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,8 @@ from quantship.errors import QuantshipError
 
 STATE_DIR = "resume"
 LOCK_FILE = ".lock"
+RECORD_SHARE = 0.1  # of the time since the last record, at most this is spent writing the next one
+ALWAYS_RECORD_BYTES = 256 << 20  # activations this small are recorded after every layer
 
 
 def source_fingerprint(model_dir: Path, files: list[Path]) -> str:
@@ -46,6 +50,7 @@ class ResumableRun:
         self.state_dir = tmp / STATE_DIR
         self.state: dict | None = None
         self._lock = None
+        self._last: tuple[float, float] | None = None  # when the last record ended, and what it cost (s)
         if resume and not (self.state_dir / "state.json").is_file():
             raise QuantshipError("--resume: no interrupted run of this output to continue", tmp)
         tmp.mkdir(exist_ok=True)
@@ -100,7 +105,19 @@ class ResumableRun:
         return hidden, s["tallies"]
 
     def record(self, next_layer: int, writer, hidden: torch.Tensor | None, tallies: dict) -> None:
-        """Called after each finished layer (its tensors handed to the writer, `hidden` its output)."""
+        """Called after each finished layer (its tensors handed to the writer, `hidden` its output). Large
+        activations are written only while that costs at most RECORD_SHARE of the run's time: at DeepSeek-V3's
+        width, 512 x 2048 calibration tokens are 30 GB per record. A layer without a record is redone by
+        --resume (the shards written since the last record are dropped, as they are after any kill)."""
+        size = 0 if hidden is None else hidden.numel() * 4
+        now = time.monotonic()
+        if size > ALWAYS_RECORD_BYTES and self._last is not None and \
+                (now - self._last[0]) * RECORD_SHARE < self._last[1]:
+            return
+        self._record(next_layer, writer, hidden, tallies)
+        self._last = (time.monotonic(), time.monotonic() - now)  # (when the last record ended, its cost)
+
+    def _record(self, next_layer: int, writer, hidden: torch.Tensor | None, tallies: dict) -> None:
         self.state_dir.mkdir(exist_ok=True)
         pending = None
         if writer.pending:
