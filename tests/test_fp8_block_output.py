@@ -71,7 +71,10 @@ def test_config_and_tensors_are_what_vllm_and_compressed_tensors_expect(fp8_bloc
         weight = compressor.decompress(stored, scheme)["weight"]
         torch.testing.assert_close(weight.float(), module.dequantized_weight(torch.float32), rtol=0, atol=0)
         checked += 1
-    assert checked == 5 + 8 * 3 + 3
+    # kv_b_proj, which absorbed MLA reads whole in every decode step, is held dequantized once loaded
+    kv_b = compressor.decompress(_module(ck, "model.layers.1.self_attn.kv_b_proj"), scheme)["weight"]
+    torch.testing.assert_close(kv_b.float(), layer.self_attn.kv_b_proj.weight, rtol=0, atol=0)
+    assert checked == 4 + 8 * 3 + 3
     assert _module(ck, "model.layers.1.self_attn.kv_a_proj_with_mqa")["weight_scale"].shape == (2, 3)
     recipe = json.loads((fp8_block / "quantship_recipe.json").read_text())
     assert recipe["schemes_used"] == ["FP8_BLOCK"]
@@ -96,7 +99,8 @@ def test_plan_keeps_sensitive_layers_in_fp8_block_beside_w4a16(tmp_path):
     assert formats == {"float-quantized": sorted(n for n, s in plan.items() if s == "FP8_BLOCK"),
                        "pack-quantized": sorted(n for n, s in plan.items() if s == "W4A16")}
     layer = ck.layer(2)
-    assert isinstance(layer.self_attn.kv_b_proj, Fp8BlockLinear)
+    assert "model.layers.2.self_attn.kv_b_proj.weight_scale" in ck.files  # stored in FP8 blocks
+    assert type(layer.self_attn.kv_b_proj) is torch.nn.Linear  # held dequantized once loaded (MLA absorbs it)
     assert "model.layers.2.self_attn.o_proj.weight_packed" in ck.files
     with torch.no_grad():
         assert torch.isfinite(ck.load_model()(torch.arange(1, 40)[None])).all()

@@ -424,7 +424,7 @@ def test_query_hessians_are_each_heads_no_rope_query():
     x = torch.randn(2, 16, attn.q_a_proj.in_features)
     hook = _QueryHessians(attn)
     with torch.no_grad():
-        q = attn.queries(x)
+        q = attn.queries(attn.project(x)[0])
     hook.handle.remove()
     q_nope = q.reshape(-1, attn.heads, q.shape[-1] // attn.heads)[..., :attn.nope]
     for h in range(attn.heads):
