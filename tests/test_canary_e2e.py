@@ -59,7 +59,7 @@ def wait_until(check, what: str, timeout: float = 120.0) -> None:
         try:
             if check():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # not up yet, or a 503 page where JSON will be (Prometheus starting)
             pass
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)

@@ -506,7 +506,9 @@ def prometheus(tmp_path_factory):
         while True:  # until every job has two scrapes, so rate() has something to say
             assert proc.poll() is None, (work / "prometheus.log").read_text()[-2000:]
             try:
-                result = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=2).json()["data"]["result"]
+                response = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=2)
+                # Until its storage is open Prometheus answers 503 "Service Unavailable", not JSON.
+                result = response.json()["data"]["result"] if response.status_code == 200 else None
                 if result and int(float(result[0]["value"][1])) == len(FAKE_SERVERS):
                     break
             except httpx.HTTPError:
