@@ -31,6 +31,17 @@ def test_rms_norm_equals_the_plain_ops(shape):
     _close(elementwise.rms_norm(view, weight, 1e-5), elementwise.reference_rms_norm(view, weight, 1e-5))
 
 
+def test_add_rms_norm_equals_a_residual_step_then_the_norm():
+    g = torch.Generator().manual_seed(3)
+    x, delta = (torch.randn(2, 3, 384, generator=g).to(DEVICE) for _ in range(2))
+    weight = torch.rand(384, generator=g).to(DEVICE) + 0.5
+    for dtype in DTYPES:
+        a, d, w = x.to(dtype), delta.to(dtype), weight.to(dtype)
+        total, normed = elementwise.add_rms_norm(a, d, w, 1e-6)
+        assert torch.equal(total, a + d)  # the residual stream itself is rounded exactly as a + d
+        _close(normed, elementwise.reference_rms_norm(a + d, w, 1e-6))
+
+
 def test_silu_mul_equals_the_plain_ops_across_column_blocks():
     g = torch.Generator().manual_seed(1)
     both = (torch.randn(4, 2 * 1000, generator=g) * 4).to(DEVICE)
@@ -81,7 +92,7 @@ def test_a_decode_step_through_the_fused_ops_gives_the_same_logits(which, llama_
     from quantship.models.loader import load_model
 
     model = load_model(TINY_DIR if which == "deepseek" else llama_dir, torch.float32, device=DEVICE)
-    calls = {"rms_norm": 0, "rope": 0, "silu_mul": 0}
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "rope": 0, "silu_mul": 0}
     for name in calls:
         original = getattr(elementwise, name)
         monkeypatch.setattr(elementwise, name, lambda *a, name=name, original=original, **k:

@@ -23,6 +23,23 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr
 
 
 @triton.jit
+def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_d, n, eps, BLOCK: tl.constexpr):
+    """A residual step and the next norm in one pass: sum = round(x + d), out = rms_norm(sum)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+    total = (x.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * n + offs, total, mask=mask)
+    tf = total.to(tl.float32)
+    normed = (tf * tl.rsqrt(tl.sum(tf * tf, axis=0) / n + eps)).to(total.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
     """out = round(silu(g)) * u over one row and one block of columns per program."""
     row = tl.program_id(0)

@@ -1,4 +1,5 @@
-"""The small operations between the matmuls, fused: RMSNorm, SiLU(gate) * up, and rotary embedding.
+"""The small operations between the matmuls, fused: RMSNorm (alone, or after a residual step),
+SiLU(gate) * up, and rotary embedding.
 
 In a decode step at batch 1 the matmuls read the weights at full bandwidth, and what is left is the
 count of tiny kernels between them: written with plain torch ops, an RMSNorm is 7 kernels, a rotary
@@ -34,6 +35,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
                                       num_warps=min(16, max(1, block // 512)))
     return out.view(*x.shape[:-1], n)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)) in one pass: a residual step and the norm that follows it."""
+    import triton
+
+    from quantship.kernels._elementwise_triton import add_rms_norm_kernel
+
+    n = x.shape[-1]
+    rows, deltas = (t.reshape(-1, n) for t in (x, delta))
+    rows, deltas = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, deltas))
+    total = torch.empty(rows.shape, dtype=torch.result_type(x, delta), device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, total), device=x.device)
+    block = triton.next_power_of_2(n)
+    add_rms_norm_kernel[(rows.shape[0],)](rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0), n, eps,
+                                          BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return total.view(*x.shape[:-1], n), out.view(*x.shape[:-1], n)
 
 
 def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -183,5 +183,11 @@ class DecoderLayer(nn.Module):
         index: int = 0,
     ) -> torch.Tensor:
         attention = self.self_attn.forward_paged if isinstance(cache, PagedBatch) else self.self_attn
-        x = x + attention(self.input_layernorm(x), positions, cache, index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = attention(self.input_layernorm(x), positions, cache, index)
+        norm = self.post_attention_layernorm
+        if use_fused_ops(x):  # the residual step and the norm after it in one kernel
+            x, normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)
+        else:
+            x = x + attended
+            normed = norm(x)
+        return x + self.mlp(normed)
