@@ -6,7 +6,8 @@ count of tiny kernels between them: written with plain torch ops, an RMSNorm is 
 embedding of q or k 9, SwiGLU's product 2, about 40 of a Llama layer's ~50. Inside a CUDA graph each
 still costs a few microseconds however little it computes, so a 32-layer model spends milliseconds
 per step on them. Each function here is one kernel, and `reference_*` is the plain computation it
-must equal (the model's own code, which runs everywhere else: CPU, float64, other shapes).
+must equal (the model's own code, which runs everywhere else: CPU, float64, other shapes);
+add_rms_norm's is the sum, then reference_rms_norm.
 """
 
 from __future__ import annotations
