@@ -104,9 +104,9 @@ def test_calibration_activations_move_to_the_host_when_large_for_the_gpu(monkeyp
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
     cuda = torch.device("cuda")
-    assert _activation_store(cuda, torch.zeros(512, 2048, dtype=torch.long), 7168).type == "cpu"
-    assert _activation_store(cuda, torch.zeros(128, 2048, dtype=torch.long), 4096).type == "cuda"
-    assert _activation_store(torch.device("cpu"), torch.zeros(512, 2048, dtype=torch.long), 7168).type == "cpu"
+    assert _activation_store(cuda, 512 * 2048, 7168).type == "cpu"
+    assert _activation_store(cuda, 128 * 2048, 4096).type == "cuda"
+    assert _activation_store(torch.device("cpu"), 512 * 2048, 7168).type == "cpu"
 
 
 def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch):
@@ -141,6 +141,8 @@ def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch
     recipes = [json.loads((tmp_path / d / "quantship_recipe.json").read_text()) for d in ("one", "groups")]
     assert recipes[0]["tokens_per_expert"] == recipes[1]["tokens_per_expert"]
     assert recipes[0]["fallbacks"] == recipes[1]["fallbacks"]
+    assert [r["memory"]["expert_groups"] for r in recipes] == [1, 3]  # what the recipe and the CLI report
+    assert recipes[1]["memory"]["activations"] == "device"
     one, groups = tensors(tmp_path / "one"), tensors(tmp_path / "groups")
     assert one.keys() == groups.keys()
     for name in one:

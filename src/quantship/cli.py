@@ -213,6 +213,11 @@ def cmd_quantize(args) -> int:
         print("calibration: none run (RTN rounds each weight on its own)")
     else:
         print(f"calibration: {calib['samples']} x {calib['seq_len']} tokens from {calib['source']}")
+    memory = recipe.get("memory") or {}
+    if memory.get("activations") == "host" or memory.get("expert_groups", 1) > 1:
+        where = "host memory" if memory["activations"] == "host" else "the device"
+        print(f"memory: calibration activations in {where} ({memory['activation_bytes'] / 2**30:.1f} GiB a copy); "
+              f"routed experts solved in {memory['expert_groups']} group(s) of Hessians")
     if calib and calib["samples"] < calib["samples_requested"]:
         print(f"note: the calibration text holds only {calib['samples']} samples of {calib['seq_len']} tokens")
     if recipe["fallbacks"]:

@@ -269,11 +269,12 @@ def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch:
 OFFLOAD_SHARE = 0.1
 
 
-def _activation_store(device: torch.device, tokens: torch.Tensor, hidden_size: int) -> torch.device:
-    """Where the calibration activations live between layers: the compute device, or the host."""
+def _activation_store(device: torch.device, tokens: int, hidden_size: int) -> torch.device:
+    """Where the calibration activations (tokens x hidden_size, float32) live between layers: the compute
+    device, or the host."""
     if device.type != "cuda":
         return device
-    size = tokens.numel() * hidden_size * 4
+    size = tokens * hidden_size * 4
     return torch.device("cpu") if size > OFFLOAD_SHARE * torch.cuda.get_device_properties(device).total_memory \
         else device
 
@@ -285,14 +286,17 @@ EXPERT_HESSIAN_BYTES = 8 << 30
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
+def _experts_per_group(hidden: int, intermediate: int) -> int:
+    """Routed experts whose GPTQ Hessians fit the budget (gate and up share one, down has its own)."""
+    return max(1, EXPERT_HESSIAN_BYTES // (4 * (hidden ** 2 + intermediate ** 2)))
+
+
 def _expert_groups(layer: nn.Module) -> list[range | None]:
     """[None] (every expert in one pass), or ranges of routed experts whose Hessians fit the budget."""
     experts = getattr(layer.mlp, "experts", None)
     if not experts:
         return [None]
-    first = experts[0]
-    per_expert = 4 * (first.gate_proj.in_features ** 2 + first.down_proj.in_features ** 2)  # gate/up share one
-    size = max(1, EXPERT_HESSIAN_BYTES // per_expert)
+    size = _experts_per_group(experts[0].gate_proj.in_features, experts[0].down_proj.in_features)
     if size >= len(experts):
         return [None]
     return [range(start, min(start + size, len(experts))) for start in range(0, len(experts), size)]
@@ -450,7 +454,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
     compute_dtype = torch.float32  # GPTQ/AWQ arithmetic wants float32; activations are small
     calibrated = METHODS[opts.method].calibrated
     positions = torch.arange(tokens.shape[1], device=device)
-    store = _activation_store(torch.device(device), tokens, ck.config.hidden_size)
+    store = _activation_store(torch.device(device), tokens.numel(), ck.config.hidden_size)
     if run.state:
         hidden, tallies = run.restore(writer)
         hidden = hidden.to(store) if hidden is not None else None
@@ -533,6 +537,18 @@ def _write_config(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme], opts: Qu
             shutil.copy(ck.path / name, tmp / name)
 
 
+def _memory_plan(ck: Checkpoint, opts: QuantizeOptions, device: torch.device, tokens: int) -> dict:
+    """Where this run kept its calibration activations, and in how many groups GPTQ solved each MoE
+    layer's routed experts (see _activation_store and _expert_groups)."""
+    c = ck.config
+    offloaded = device.type == "cuda" and _activation_store(device, tokens, c.hidden_size).type == "cpu"
+    plan = {"activations": "host" if offloaded else "device",
+            "activation_bytes": tokens * c.hidden_size * 4, "expert_groups": 1}
+    if METHODS[opts.method].gptq and c.n_routed_experts:
+        plan["expert_groups"] = -(-c.n_routed_experts // _experts_per_group(c.hidden_size, c.moe_intermediate_size))
+    return plan
+
+
 def build_recipe(ck: Checkpoint, opts: QuantizeOptions, chosen: dict[str, Scheme], group_fallbacks: dict[str, str],
                  ignore: list[str], tallies: dict, *, device: torch.device, shards: int, calibration: dict,
                  resumed_from: int | None, seconds: float) -> dict:
@@ -563,6 +579,8 @@ def build_recipe(ck: Checkpoint, opts: QuantizeOptions, chosen: dict[str, Scheme
     if opts.plan is not None:
         recipe["plan"] = {n: s.name for n, s in chosen.items()}
     recipe["calibration"] = calibration
+    if calibration:
+        recipe["memory"] = _memory_plan(ck, opts, device, calibration["tokens"])
     if resumed_from is not None:
         recipe["resumed_from_layer"] = resumed_from
     recipe["seconds"] = seconds
