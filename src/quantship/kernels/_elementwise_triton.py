@@ -9,17 +9,22 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
-    """One row per program: out = w * round(x * rsqrt(mean(x²) + eps)), the mean in float32."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+def _norm_row(x, w_ptr, out_ptr, row, n, eps, offs, mask):
+    """Store w * round(x * rsqrt(mean(x²) + eps)) as output row `row`, the mean in float32."""
     xf = x.to(tl.float32)
     normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
+    """One row per program."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    _norm_row(tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0), w_ptr, out_ptr, row, n, eps, offs, mask)
 
 
 @triton.jit
@@ -32,11 +37,7 @@ def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_
     d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
     total = (x.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * n + offs, total, mask=mask)
-    tf = total.to(tl.float32)
-    normed = (tf * tl.rsqrt(tl.sum(tf * tf, axis=0) / n + eps)).to(total.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _norm_row(total, w_ptr, out_ptr, row, n, eps, offs, mask)
 
 
 @triton.jit
