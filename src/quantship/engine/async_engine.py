@@ -120,8 +120,6 @@ class AsyncEngine:
         arrival: when the request reached the server (time.monotonic()); latencies count from it."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
-        if self.error is not None:
-            raise ShuttingDown(f"the engine stopped after an error: {self.error}")
         self.engine.check_request(prompt_ids, params)
         # Reading the queue length without the engine thread's cooperation can be off by the few
         # requests in transit; the bound holds to within that.
@@ -133,8 +131,8 @@ class AsyncEngine:
         now = arrival if arrival is not None else time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         with self._streams_lock:
-            # Checked again under the lock the failing thread takes to fail every stream: a request
-            # either sees the error here or is among the streams failed there, never left waiting.
+            # Checked under the lock the failing thread takes to fail every stream: a request either sees
+            # the error here or is among the streams failed there, never left waiting.
             if self.error is not None:
                 raise ShuttingDown(f"the engine stopped after an error: {self.error}")
             self._streams[request_id] = stream

@@ -21,39 +21,41 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n] → weight * normalized x, in the dtype the plain code gives (x's and weight's promotion)."""
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., n] as [rows, n] with unit stride along n (a view where it can be): how the kernels read it."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _row_block(n: int) -> dict:
+    """One program per row: the whole row in one block, more warps for wider rows."""
     import triton
 
+    block = triton.next_power_of_2(n)
+    return {"BLOCK": block, "num_warps": min(16, max(1, block // 512))}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] → weight * normalized x, in the dtype the plain code gives (x's and weight's promotion)."""
     from quantship.kernels._elementwise_triton import rms_norm_kernel
 
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    n, rows = x.shape[-1], _rows(x)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
-    block = triton.next_power_of_2(n)
-    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block,
-                                      num_warps=min(16, max(1, block // 512)))
-    return out.view(*x.shape[:-1], n)
+    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, **_row_block(n))
+    return out.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)) in one pass: a residual step and the norm that follows it."""
-    import triton
-
     from quantship.kernels._elementwise_triton import add_rms_norm_kernel
 
-    n = x.shape[-1]
-    rows, deltas = (t.reshape(-1, n) for t in (x, delta))
-    rows, deltas = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, deltas))
+    n, rows, deltas = x.shape[-1], _rows(x), _rows(delta)
     total = torch.empty(rows.shape, dtype=torch.result_type(x, delta), device=x.device)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, total), device=x.device)
-    block = triton.next_power_of_2(n)
     add_rms_norm_kernel[(rows.shape[0],)](rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0), n, eps,
-                                          BLOCK=block, num_warps=min(16, max(1, block // 512)))
-    return total.view(*x.shape[:-1], n), out.view(*x.shape[:-1], n)
+                                          **_row_block(n))
+    return total.view(x.shape), out.view(x.shape)
 
 
 def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -66,13 +68,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.T
 
     from quantship.kernels._elementwise_triton import silu_mul_kernel
 
-    n = gate.shape[-1]
-    g, u = gate.reshape(-1, n), up.reshape(-1, n)
-    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    n, g, u = gate.shape[-1], _rows(gate), _rows(up)
     out = torch.empty(g.shape, dtype=torch.result_type(gate, up), device=gate.device)
     silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block,
                                                          num_warps=4)
-    return out.view(*gate.shape[:-1], n)
+    return out.view(gate.shape)
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

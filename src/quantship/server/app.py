@@ -165,9 +165,6 @@ def create_app(async_engine: AsyncEngine, api_key: str | None = None, metrics: S
         except QueueFull as exc:
             if span is not None:
                 tracer.unbind(kind.request_id)
-            if not async_engine.accepting:
-                raise APIError(503, "the server is shutting down", type="service_unavailable",
-                               code="shutting_down") from None
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as exc:  # what only the engine knows, e.g. a prompt larger than the whole KV cache
