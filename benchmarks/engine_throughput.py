@@ -105,29 +105,49 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - start)
 
 
-def quantized_copy(model, bits: int = 4, group: int = 128):
-    """The same model with every decoder Linear RTN-quantized (symmetric, group 128) into PackedLinear;
-    embeddings, norms and lm_head shared with the original (no copy)."""
+def quantized_copy(model):
+    """The same model with every decoder Linear RTN-quantized to W4A16 (symmetric, group 128, or the
+    fallback `quantship quantize` takes where 128 does not divide the input: V2-Lite's dense MLP) into
+    PackedLinear; embeddings, norms and lm_head shared with the original (no copy)."""
     from quantship.models.causal_lm import CausalLM
     from quantship.models.merged import merge_projections
     from quantship.models.quantized import quant_linear
     from quantship.quant.rtn import rtn_quantize
-    from quantship.quantized_tensor import WeightQuant
+    from quantship.quant.scheme import get_scheme
 
     with torch.device("meta"):
         copy = CausalLM(model.config)
         if any(getattr(m, "merged", None) is not None for m in model.modules()):
             merge_projections(copy)  # an engine already merged the source's projections: same structure
-    copy.load_state_dict(model.state_dict(), assign=True)
-    args = WeightQuant(num_bits=bits, group_size=group)
+    with torch.inference_mode():  # an engine's stacked experts are inference tensors
+        copy.load_state_dict(model.state_dict(), assign=True)
+    scheme = get_scheme("W4A16")
     for layer in copy.model.layers:
         for name, module in list(layer.named_modules()):
             if isinstance(module, torch.nn.Linear):
-                q = rtn_quantize(module.weight.data, args)
+                q = rtn_quantize(module.weight.data, scheme.fitted_to(module.in_features).weights)
                 owner, attr = name.rsplit(".", 1)
                 setattr(layer.get_submodule(owner), attr,
-                        quant_linear(q.values, q.scale.to(module.weight.dtype), q.zero_point, bits=bits))
+                        quant_linear(q.values, q.scale.to(module.weight.dtype), q.zero_point, bits=4))
     return copy.eval()
+
+
+def routed_bytes(model) -> int:
+    """Bytes of the routed experts' weights (packed or not): a decode step reads only the experts its
+    tokens picked."""
+    from quantship.models.quantized import weight_bytes
+
+    return sum(weight_bytes(m) for name, m in model.named_modules() if name.endswith(".experts"))
+
+
+def read_bytes(total: int, routed: int, config, batch: int) -> float:
+    """Weight bytes one decode step of `batch` tokens reads: everything but the routed experts, plus the
+    expected share of experts at least one token picks (uniform routing: 1 - (1 - k/E)^batch)."""
+    experts = getattr(config, "n_routed_experts", None)
+    if not routed or not experts:
+        return total
+    touched = 1 - (1 - config.num_experts_per_tok / experts) ** batch
+    return total - routed + routed * touched
 
 
 def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, steps: int = 512) -> dict:
@@ -247,6 +267,7 @@ def run(where: str, out: Path, shape: str = "coder-6.7b", layers: int | None = N
                 rows[-1]["eager_tok_s"] = batch * new_tokens / t_eager
             print(rows[-1], flush=True)
     result = {"where": where, "model": name, "dtype": str(dtype), "prompt_len": prompt_len, "warmed": True,
+              "layers": layers,
               "new_tokens": new_tokens, "repeats": REPEATS, "rows": rows, "torch": torch.__version__,
               "kv_bytes_per_token": kv_bytes_per_token(ours.config, dtype)}
     if where == "gpu":
@@ -254,9 +275,11 @@ def run(where: str, out: Path, shape: str = "coder-6.7b", layers: int | None = N
 
         weight_bytes = module_bytes(ours)
         bandwidth = copy_bandwidth()
+        result["routed_bytes"] = routed_bytes(ours)
         result |= {"device": torch.cuda.get_device_name(), "weight_bytes": weight_bytes, "copy_bandwidth": bandwidth}
         for row in rows:
-            row["roofline_tok_s"] = row["batch"] * bandwidth / weight_bytes
+            row["roofline_tok_s"] = row["batch"] * bandwidth / read_bytes(weight_bytes, result["routed_bytes"],
+                                                                          ours.config, row["batch"])
             row["of_roofline"] = row["ours_tok_s"] / row["roofline_tok_s"]
         result["w4a16"] = run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth)
     else:
@@ -279,6 +302,7 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> d
     allocated = torch.cuda.memory_allocated() - before
     packed = sum(weight_bytes(m) for m in w4.modules() if isinstance(m, PackedLinear))
     total = weight_bytes(w4)
+    routed = routed_bytes(w4)
     rows = []
     with torch.inference_mode():
         for batch in batches:
@@ -290,7 +314,7 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> d
             t_w4, t_bf16 = (statistics.median(r[i] for r in runs) for i in (0, 1))
             rows.append({"batch": batch, "w4a16_tok_s": batch * new_tokens / t_w4,
                          "bf16_tok_s": batch * new_tokens / t_bf16, "speedup": t_bf16 / t_w4,
-                         "roofline_tok_s": batch * bandwidth / total})
+                         "roofline_tok_s": batch * bandwidth / read_bytes(total, routed, ours.config, batch)})
             rows[-1]["of_roofline"] = rows[-1]["w4a16_tok_s"] / rows[-1]["roofline_tok_s"]
             print(rows[-1], flush=True)
         ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, hf, 2048, config)}
@@ -299,7 +323,8 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> d
         agreement = greedy_agreement(w4, w4, ours.config.vocab_size)
         PackedLinear.use_kernel = True
         print(agreement, flush=True)
-    return {"rows": rows, "weight_bytes": total, "packed_linear_bytes": packed, "allocated_bytes": allocated,
+    return {"rows": rows, "weight_bytes": total, "routed_bytes": routed, "packed_linear_bytes": packed,
+            "allocated_bytes": allocated,
             "ttft": ttft, "agreement": agreement}
 
 
@@ -376,47 +401,48 @@ def kv_table() -> str:
     return table(["model (bf16 cache)", "MLA latent bytes/token", "full K/V bytes/token", "smaller by"], rows)
 
 
-def w4a16_section() -> list[str]:
-    path = RESULTS / "engine_throughput_gpu.json"
-    if not path.exists() or "w4a16" not in json.loads(path.read_text()):
-        return []
-    r = json.loads(path.read_text())
+def w4a16_section(r: dict, label: str) -> list[str]:
     w = r["w4a16"]
     rows = [[row["batch"], f"{row['w4a16_tok_s']:.1f}", f"{row['bf16_tok_s']:.1f}", f"{row['speedup']:.2f}x",
              f"{row['roofline_tok_s']:.0f}", f"{row['of_roofline']:.0%}"] for row in w["rows"]]
-    parts = ["### W4A16 in the engine (H200, 6.7B shape)", "",
-             "The same random weights RTN-quantized to W4A16 g128 (symmetric), packed on the GPU, against bf16 in "
-             "the same run, both with CUDA graphs, median of alternating runs. In this full run every W4A16 Linear "
-             "went through the Triton tiles: PyTorch's tinygemm decode kernel was meant to take batch sizes up to "
-             "16 but silently fell back (its layout was built from a non-contiguous tensor; fixed and tested "
-             "since).", "",
-             table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "W4 roofline tok/s", "of roofline"], rows),
-             ""]
-    quick = RESULTS / "engine_quick_gpu.json"
-    if quick.exists():
-        q = json.loads(quick.read_text())
-        parts += ["After the fix (`engine_throughput.py quick`: 64 tokens, median of 2 alternating runs, same "
-                  "machine), with batch 1 and 16 through tinygemm:", "",
-                  table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16"],
-                        [[x["batch"], f"{x['w4a16_tok_s']:.1f}", f"{x['bf16_tok_s']:.1f}",
-                          f"{x['w4a16_tok_s'] / x['bf16_tok_s']:.2f}x"] for x in q]), ""]
     ttft = w["ttft"]
-    parts += [f"TTFT of a {ttft['bf16']['prompt_len']}-token prompt at batch 1: W4A16 "
-              f"{ttft['w4a16']['ours_s'] * 1e3:.1f} ms, bf16 {ttft['bf16']['ours_s'] * 1e3:.1f} ms, transformers bf16 "
-              f"{ttft['bf16']['transformers_s'] * 1e3:.1f} ms (prefill dequantizes each weight once in Triton, then "
-              "cuBLAS).", "",
-              f"GPU memory of the W4A16 weights: {w['allocated_bytes'] / 1e9:.2f} GB allocated for the quantized "
-              f"Linears against {w['packed_linear_bytes'] / 1e9:.2f} GB of packed values + scales (bf16 Linears: "
-              f"{(r['weight_bytes'] - (w['weight_bytes'] - w['packed_linear_bytes'])) / 1e9:.1f} GB). The tinygemm "
-              "decode layout, made on first use, adds a second copy of the int4 values (about the same again).", "",
-              f"Greedy agreement, kernels against the dequantize + F.linear reference on the same W4A16 weights, 8 "
-              f"prompts x 512 steps: teacher-forced top-1 agreement "
-              f"{w['agreement']['teacher_forced_top1_agreement']:.1%}, "
-              f"identical prefixes {w['agreement']['identical_prefix_tokens']} tokens. Random weights give nearly flat "
-              "next-token distributions, so bf16 rounding differences (cuBLAS on the transposed weight against "
-              "F.linear) flip near-ties; the 99% goal needs a trained model of this size, which this machine "
-              "cannot fetch. On the CPU the engine stays token-identical to the plain loop (tests).", ""]
+    theirs = ttft["bf16"]["transformers_s"]
+    parts = [f"### W4A16 in the engine (H200, {label})", "",
+             "The same random weights RTN-quantized to W4A16 g128 (symmetric; V2-Lite's dense MLP, whose input "
+             "128 does not divide, takes the group fallback `quantize` takes), packed on the GPU, against bf16 in "
+             "the same run, both with CUDA graphs captured before timing, median of alternating runs. int4 Linears "
+             "run PyTorch's tinygemm up to 8 rows, our small tensor-core tile up to 16, our Triton tile up to 64 "
+             "and dequantize + cuBLAS beyond (kernel table below); routed experts run the fused MoE kernels.", "",
+             table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "W4 roofline tok/s", "of roofline"], rows),
+             "",
+             f"TTFT of a {ttft['bf16']['prompt_len']}-token prompt at batch 1: W4A16 "
+             f"{ttft['w4a16']['ours_s'] * 1e3:.1f} ms, bf16 {ttft['bf16']['ours_s'] * 1e3:.1f} ms"
+             + (f", transformers bf16 {theirs * 1e3:.1f} ms" if theirs else "") + ".", "",
+             f"GPU memory of the W4A16 weights: {w['allocated_bytes'] / 1e9:.2f} GB allocated for the quantized "
+             f"model against {w['packed_linear_bytes'] / 1e9:.2f} GB of packed values + scales (the same Linears in "
+             f"bf16: {(r['weight_bytes'] - (w['weight_bytes'] - w['packed_linear_bytes'])) / 1e9:.1f} GB). The "
+             "tinygemm decode layout, made on first use, adds a second copy of the int4 values of dense Linears.", "",
+             f"Greedy agreement, kernels against the dequantize + F.linear reference on the same W4A16 weights, 8 "
+             f"prompts x 512 steps: teacher-forced top-1 agreement "
+             f"{w['agreement']['teacher_forced_top1_agreement']:.1%}, "
+             f"identical prefixes {w['agreement']['identical_prefix_tokens']} tokens. Random weights give nearly flat "
+             "next-token distributions, so bf16 rounding differences flip near-ties; the 99% goal needs a trained "
+             "model of this size, which this machine cannot fetch. On the CPU the engine stays token-identical to "
+             "the plain loop (tests).", ""]
     return parts
+
+
+def anatomy_note() -> list[str]:
+    quick = RESULTS / "engine_quick_gpu.json"
+    if not quick.exists() or "anatomy_bf16" not in json.loads(quick.read_text())[0]:
+        return []
+    q = json.loads(quick.read_text())
+    cells = [f"batch {x['batch']} {kind}: {x[f'anatomy_{kind}']['step_ms']:.2f} ms per engine step against "
+             f"{x[f'anatomy_{kind}']['replay_ms']:.2f} ms replaying its graph alone"
+             for x in q for kind in ("bf16", "w4a16")]
+    return ["Where a decode step goes (`engine_throughput.py quick`, 6.7B shape, one run before the small "
+            "tensor-core tile landed): " + "; ".join(cells) + ". Scheduling, staging the inputs and sampling add "
+            "5% or less: what is left is inside the graph, in the weight kernels.", ""]
 
 
 def render() -> None:
@@ -425,8 +451,8 @@ def render() -> None:
              "against transformers' `generate` on the same weights at the same batch size, measured in the same "
              "run (median of three alternating runs per side). "
              "`python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
-    for where in ("cpu", "gpu"):
-        path = RESULTS / f"engine_throughput_{where}.json"
+    for where, suffix in (("cpu", ""), ("gpu", ""), ("gpu", "_v2-lite")):
+        path = RESULTS / f"engine_throughput_{where}{suffix}.json"
         if not path.exists():
             continue
         r = json.loads(path.read_text())
@@ -441,9 +467,11 @@ def render() -> None:
                 cells += [f"{row['eager_tok_s']:.1f}" if "eager_tok_s" in row else "-",
                           f"{row['roofline_tok_s']:.0f}", f"{row['of_roofline']:.0%}"]
             rows.append(cells)
-        where_text = (f"{r.get('device')}, {r['model']} shape, random {r['dtype']} weights; roofline = batch x copy "
-                      f"bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s) / weight bytes "
-                      f"({r['weight_bytes'] / 1e9:.1f} GB)"
+        layers = f" ({r['layers']} decoder layers)" if r.get("layers") else ""
+        moe = " (routed experts: the expected share its tokens pick, routing uniform)" if r.get("routed_bytes") else ""
+        where_text = (f"{r.get('device')}, {r['model']} shape{layers}, random {r['dtype']} weights "
+                      f"({r['weight_bytes'] / 1e9:.1f} GB); roofline = batch x copy bandwidth "
+                      f"({r['copy_bandwidth'] / 1e12:.2f} TB/s) / weight bytes a decode step reads{moe}"
                       if gpu else f"CPU ({r['cpu_count']} cores), bundled model, {r['dtype']}")
         parts += [f"**{where_text}**; prompt {r['prompt_len']} tokens, {r['new_tokens']} generated per request.", "",
                   table(header, rows), ""]
@@ -452,12 +480,15 @@ def render() -> None:
                       "capture of its CUDA graphs (at the first decode step) was timed with it; the graph columns "
                       "understate the engine, as do both sides of the W4A16 tables below. Runs now capture and warm "
                       "up before timing.", ""]
-        if gpu:
-            parts += ["Eager PyTorch is host-bound here: it launches every op separately (a profile showed ~9 µs "
-                      "per launch, ~7 ms of GPU work per 6.7B decode step against ~45 ms of host time). The engine "
-                      "replays decode steps as CUDA graphs (one per batch-size and key-length bucket; models "
-                      "without routed experts); the eager column is the same engine with graphs off.", ""]
-    parts += w4a16_section()
+        if gpu and not suffix:
+            parts += ["Eager PyTorch is host-bound here: it launches every op separately. The engine replays "
+                      "decode steps as CUDA graphs (one per batch-size and key-length bucket, MoE models included: "
+                      "routing and the fused experts have static shapes); the eager column is the same engine with "
+                      "graphs off. Fused RMSNorm, rotary and SwiGLU kernels and merged q/k/v and gate/up "
+                      "projections keep the launches per layer low.", ""]
+            parts += anatomy_note()
+        if gpu and "w4a16" in r:
+            parts += w4a16_section(r, f"{r['model']} shape{layers}")
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
               "per-head keys and values.", "", kv_table()]
     update_section("engine_throughput", "\n".join(parts))

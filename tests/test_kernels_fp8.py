@@ -1,5 +1,6 @@
 """FP8_DYNAMIC through float8 matmul (torch._scaled_mm, rowwise scales) against the quantize-dequantize
-reference the CPU path runs. torch's CPU build has _scaled_mm too, so CI checks the arithmetic."""
+reference the CPU path runs. torch's CPU build has _scaled_mm too (rowwise scales from torch 2.13 on), so CI
+checks the arithmetic; on a GPU the same tests run on CUDA."""
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ from quantship.kernels import fp8
 from quantship.models.quantized import QuantLinear
 from quantship.quant.rtn import rtn_quantize
 from quantship.quant.scheme import PRESETS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _fp8_dynamic_linear(out_features: int, in_features: int, seed: int = 0) -> QuantLinear:
@@ -27,7 +30,8 @@ def test_scaled_linear_equals_the_quantize_dequantize_reference(rows, out_featur
     x = x * torch.logspace(-2, 2, rows)[:, None]
     x = x.bfloat16()
     expected = layer(x.float())  # CPU: the same bf16 inputs, activations and weights dequantized, float32 matmul
-    got = fp8.scaled_linear(x, layer.weight_values, layer.weight_scale, layer.bias.bfloat16())
+    device = layer.to(DEVICE)
+    got = fp8.scaled_linear(x.to(DEVICE), device.weight_values, device.weight_scale, device.bias.bfloat16()).cpu()
     assert got.shape == expected.shape and got.dtype == torch.bfloat16
     error = (got.float() - expected).norm() / expected.norm()
     assert error < 1e-2  # bf16 output and bias rounding; a wrong scale or transposition gives O(1)
@@ -39,9 +43,10 @@ def test_scaled_linear_equals_the_quantize_dequantize_reference(rows, out_featur
 
 
 def test_the_layer_takes_the_float8_path_where_tensor_cores_exist(monkeypatch):
-    layer = _fp8_dynamic_linear(64, 128).to(torch.bfloat16)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
-    reference = layer(x)
+    layer = _fp8_dynamic_linear(64, 128).to(DEVICE, torch.bfloat16)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEVICE)
+    monkeypatch.setattr(fp8, "available", lambda x: False)
+    reference = layer(x)  # dequantize + F.linear
     calls = []
     monkeypatch.setattr(fp8, "available", lambda x: True)  # as on an H200
     original = fp8.scaled_linear

@@ -71,6 +71,9 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
 
 @pytest.mark.parametrize("blocks", [wna16.Blocks("dot", 16, 32, 64, 4), wna16.Blocks("dot", 32, 16, 32, 1),
                                     wna16.Blocks("gemv", 1, 32, 64, 3), wna16.Blocks("gemv", 1, 16, 32, 1),
+                                    wna16.Blocks("gemv", 1, 32, 256, -1, 1),  # tiles span groups of 64
+                                    wna16.Blocks("small_dot", 16, 32, 256, 3, 4, 1),  # spans groups: scales per value
+                                    wna16.Blocks("small_dot", 16, 16, 64, -1, 4, 1),  # raised to 128: spans
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)

@@ -1,13 +1,14 @@
 """The Triton kernels behind kernels.wna16 (imported only when one is launched; the layout is there).
 
-Three shapes of the same arithmetic, chosen by M (rows of x):
-- wna16_gemv_kernel (decode, M of a few rows): no tensor cores. A word tile [R, BN] is expanded to
-  [P, R, BN] values with the P axis in registers, multiplied by x and reduced over P; the integer to
-  float conversion is the exponent trick (q | 0x4B000000 is the float 2^23 + q), two full-rate
-  instructions instead of a slow I2F. The group's scale and offset apply once per output: the tile
-  sums x*q, and subtracts (offset or zero point) * sum(x).
-- wna16_dot_kernel (mid M): the tile is dequantized the same way (as [BK, BN], words loaded per
-  value from L1), then one tl.dot per K step.
+Four shapes of the same arithmetic, chosen by M (rows of x):
+- wna16_gemv_kernel (decode, M of a few rows): no tensor cores. Each program takes a word tile
+  [R, BN] (a few K steps: many programs, partial sums added atomically, as GemLite's reverse split-K)
+  and accumulates value i of every word against x's column r*P + i, in registers, no reshape. The
+  integer to float conversion is the exponent trick (q | 0x4B000000 is the float 2^23 + q) on the
+  value masked in place, with the offset folded into the subtraction (_word_values).
+- wna16_small_dot_kernel (M up to 16): the same word tiles, one tensor-core product per value position.
+- wna16_dot_kernel (M up to 64): the tile is dequantized as [BK, BN] (words loaded per value from
+  L1), then one tl.dot per K step.
 - dequantize_kernel (prefill): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 """
 
@@ -54,6 +55,38 @@ def _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
+def _word_values(src, i: tl.constexpr, base, BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """Value i of each word minus its offset, times 2^(bits * (i % half)): value i is masked in place (no
+    shift; `src` is the word, or the word shifted down 16 bits for the upper half) and read as a float
+    through the exponent trick, and its offset (2^(bits-1), plus the zero point `base` holds) is scaled
+    the same way and subtracted in the same instruction. Callers divide x by the same power of two, so
+    each value costs a mask-or, a subtraction and a multiply-add. All of it is exact in float32."""
+    HALF: tl.constexpr = 16 // BITS
+    SHIFT: tl.constexpr = BITS * (i % HALF)
+    f = ((src & (((1 << BITS) - 1) << SHIFT)) | MAGIC).to(tl.float32, bitcast=True)
+    if HAS_ZERO:
+        return f - (base * (1 << SHIFT) + MAGIC_VALUE)
+    return f - (MAGIC_VALUE + (1 << (BITS - 1)) * (1 << SHIFT))
+
+
+@triton.jit
+def _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
+               HAS_ZERO: tl.constexpr):
+    """Words [R, BN] of word rows `rows`, their upper halves, and each word's scale and offset base
+    (gathered per word row, so a tile may span groups)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
+    # Weights are read once: evict them first so x and the scales stay in L2.
+    w = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=ok, other=0, eviction_policy="evict_first")
+    meta = (rows * PER_WORD // group_size)[:, None] * N + offs_n[None, :]
+    scale = tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+    base = scale
+    if HAS_ZERO:
+        base = tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32) + (1 << (BITS - 1))
+    return w, w >> 16, scale, base
+
+
+@triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -64,28 +97,70 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
-    i = tl.arange(0, PER_WORD)
-    shifts = i * BITS
     word_rows = tl.cdiv(K, PER_WORD)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    shift_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + r[None, :] * PER_WORD + i[:, None]  # [P, R]
-        x = tl.load(x_ptr + row_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, shifts, BITS)  # [P, R, BN]
-        group = k0 // group_size  # the whole tile lies in this group
-        scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        acc += tl.sum(q * x[:, :, None], axis=0) * scale[None, :]
-        offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
-        shift_total += offset * scale * tl.sum(x)
-    y = tl.sum(acc, axis=0) - shift_total
+        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, group_size,
+                                        BITS, HAS_ZERO)
+        part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(PER_WORD):
+            k = k0 + r * PER_WORD + i
+            x = tl.load(x_ptr + row_m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            x = x * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
+            part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * x[:, None]
+        acc += part * scale
+    y = tl.sum(acc, axis=0)
     y_ptrs = y_ptr + row_m * N + offs_n
     if ATOMIC:
-        tl.atomic_add(y_ptrs, y, mask=offs_n < N)
+        tl.atomic_add(y_ptrs, y, mask=offs_n < N, sem="relaxed")
     else:
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def wna16_small_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
+                           BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tensor cores for a few rows of x: each word tile is loaded once and gives one product per value
+    position i (x's columns r*P + i against values i of the tile's word rows), so the tile is never
+    reshaped. SPANS: the tile spans groups and the scales multiply the values, else the products."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m[:, None] < M
+    r = tl.arange(0, ROWS)
+    word_rows = tl.cdiv(K, PER_WORD)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, group_size,
+                                        BITS, HAS_ZERO)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(PER_WORD):
+            k = k0 + r * PER_WORD + i
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok & (k[None, :] < K), other=0.0)
+            x = (x.to(tl.float32) * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))).to(x_ptr.dtype.element_ty)
+            v = _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+            if SPANS:
+                v = v * scale
+            part = tl.dot(x, v.to(x_ptr.dtype.element_ty), part, out_dtype=tl.float32)
+        if SPANS:
+            acc += part
+        else:
+            acc += part * tl.max(scale, axis=0)[None, :]  # one group: every row of `scale` is the same
+    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+    mask = m_ok & (offs_n[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ partial dot product once per output instead of every weight.
 
 Three kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a tensor-core tile, and a
 dequantize pass that writes the bf16 weight once for cuBLAS. The small-M ones split K over several
-programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU. Which
+programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU; the two
+smallest classes gather scales per word row, so their tiles may span quantization groups. Which
 runs for which M is a fixed table measured on an H200 (benchmarks/kernel_wna16.py), never tuned on
 the request path. `tinygemm_pack` makes the same int4 weight for PyTorch's own decode kernel, which
 measured faster than ours at M <= 16 (models/quantized.py decides).
@@ -81,18 +82,22 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 @dataclass(frozen=True)
 class Blocks:
-    kind: str  # "gemv" (CUDA cores, one program per row of x), "dot" (tensor cores), "dequantize" (+ cuBLAS)
+    kind: str  # "gemv" (CUDA cores, a program per row of x), "small_dot" / "dot" (tensor cores), "dequantize"
     block_m: int
     block_n: int
     block_k: int
-    split_k: int = 1  # 0: as many splits as fill the GPU, at most K / (4 * block_k)
+    split_k: int = 1  # 0: as many splits as fill the GPU, at most K / (4 * block_k); -1: one K tile per program
     num_warps: int = 4
     num_stages: int = 3
 
 
-# M class (upper bound) → kernel and tiles. Measured on an H200 with benchmarks/kernel_wna16.py.
+# M class (upper bound) → kernel and tiles. Measured on an H200 (benchmarks/kernel_wna16.py, 4096x4096,
+# 22016x4096 and 4096x11008 at M = 1, 16, 64, group 128): at M = 1 the GEMV with one K tile per program
+# and one warp reached 1,100-1,770 GB/s (tinygemm, which PackedLinear prefers for int4 bf16, the same);
+# at M = 16 the small tensor-core tile 600-780 GB/s (tinygemm 385-450); at M = 64 the old tile.
 BLOCKS_BY_M = [
-    (16, Blocks("dot", 16, 128, 128, 0, 4, 3)),
+    (8, Blocks("gemv", 1, 128, 64, -1, 1, 1)),
+    (16, Blocks("small_dot", 16, 128, 256, 8, 8, 1)),
     (64, Blocks("dot", 64, 64, 128, 0, 4, 3)),
     (None, Blocks("dequantize", 0, 128, 128, 1, 4, 1)),
 ]
@@ -109,8 +114,11 @@ def supports(bits: int, group_size: int, in_features: int) -> bool:
 
 
 def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
-    """The largest tile depth up to the configured one that stays inside one group."""
+    """The tile depth: the configured one, for the kernels that gather scales per word row; for the
+    others the largest up to it that stays inside one group."""
     block_k = blocks.block_k
+    if blocks.kind in ("gemv", "small_dot"):
+        return block_k
     while group_size < k and group_size % block_k:
         block_k //= 2
     return block_k
@@ -119,7 +127,7 @@ def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
 def _splits(blocks: Blocks, tiles: int, k: int, block_k: int) -> tuple[int, int]:
     """(K range per split, number of splits): enough programs to fill the GPU, at least 4 steps each."""
     steps = -(-k // block_k)
-    split = blocks.split_k or max(1, min(TARGET_PROGRAMS // tiles, steps // 4))
+    split = steps if blocks.split_k < 0 else blocks.split_k or max(1, min(TARGET_PROGRAMS // tiles, steps // 4))
     per_split = -(-steps // split) * block_k
     return per_split, -(-k // per_split)
 
@@ -144,7 +152,7 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
-TINYGEMM_MAX_M = 16  # measured: faster than the Triton tiles up to here, far slower beyond
+TINYGEMM_MAX_M = 8  # measured: as fast as our GEMV at 1 row, slower than the small tensor-core tile at 16
 
 
 def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
@@ -182,6 +190,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
+    if blocks.kind == "small_dot":  # tl.dot wants 16 word rows at least: 64 values of 8 bits, 128 of 4
+        block_k = max(block_k, 16 * (32 // bits))
     rows = m if blocks.kind == "gemv" else triton.cdiv(m, blocks.block_m)
     per_split, splits = _splits(blocks, triton.cdiv(n, blocks.block_n) * rows, k, block_k)
     y = (torch.zeros if splits > 1 else torch.empty)((m, n), dtype=torch.float32 if splits > 1 else x.dtype,
@@ -192,6 +202,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     args = (x2, packed, scale, zero if zero is not None else scale, y, m, n, k, x2.stride(0), group_size, per_split)
     if blocks.kind == "gemv":
         kernels.wna16_gemv_kernel[grid](*args, **common)
+    elif blocks.kind == "small_dot":
+        kernels.wna16_small_dot_kernel[grid](*args, SPANS=group_size < min(block_k, k), BLOCK_M=blocks.block_m,
+                                             **common)
     else:
         kernels.wna16_dot_kernel[grid](*args, BLOCK_M=blocks.block_m, **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)

@@ -30,7 +30,7 @@ def draw(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: in
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < top_p
-        keep[0] = True  # the most likely token always stays, also for a top_p too small for float32
+        keep[:1].fill_(True)  # the top token always stays (a top_p below float32's range); fill_, not a host copy
         # A mask, not boolean indexing: indexing would wait for the device to count the kept tokens.
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
     return torch.multinomial(probs, 1, generator=generator)[0]
