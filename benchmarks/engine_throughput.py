@@ -361,10 +361,11 @@ def step_anatomy(model, config, batch: int, steps: int = 32) -> dict:
     return {"batch": batch, "step_ms": step_s * 1e3, "replay_ms": None if replay_s is None else replay_s * 1e3}
 
 
-def quick(out: Path) -> None:
-    """W4A16 against bf16 in the engine only (batch 1 and 16, 64 tokens): a short check between full runs."""
+def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None) -> None:
+    """W4A16 against bf16 in the engine only (batch 1 and 16, 64 tokens; the TTFT of 2,048 tokens): a
+    short check between full runs."""
     torch.manual_seed(0)
-    hf, ours, _, _ = load_pair("gpu")
+    hf, ours, _, _ = load_pair("gpu", shape, layers)
     del hf
     w4 = quantized_copy(ours)
     from quantship.engine.config import EngineConfig
@@ -382,8 +383,11 @@ def quick(out: Path) -> None:
                          "anatomy_w4a16": step_anatomy(w4, config, batch),
                          "anatomy_bf16": step_anatomy(ours, config, batch)})
             print(rows[-1], flush=True)
+        ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, None, 2048, config)}
+        print(ttft, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_quick_gpu.json").write_text(json.dumps(rows, indent=2) + "\n")
+    suffix = "" if shape == "coder-6.7b" else f"_{shape}"
+    (out / f"engine_quick_gpu{suffix}.json").write_text(json.dumps(rows + [{"ttft": ttft}], indent=2) + "\n")
 
 
 def kv_table() -> str:
@@ -439,7 +443,7 @@ def anatomy_note() -> list[str]:
     q = json.loads(quick.read_text())
     cells = [f"batch {x['batch']} {kind}: {x[f'anatomy_{kind}']['step_ms']:.2f} ms per engine step against "
              f"{x[f'anatomy_{kind}']['replay_ms']:.2f} ms replaying its graph alone"
-             for x in q for kind in ("bf16", "w4a16")]
+             for x in q if "batch" in x for kind in ("bf16", "w4a16")]
     return ["Where a decode step goes (`engine_throughput.py quick`, 6.7B shape, one run before the small "
             "tensor-core tile landed): " + "; ".join(cells) + ". Scheduling, staging the inputs and sampling add "
             "5% or less: what is left is inside the graph, in the weight kernels.", ""]
@@ -503,10 +507,13 @@ def main() -> None:
     p.add_argument("--shape", default="coder-6.7b", help="gpu only: coder-6.7b, or v2-lite (MLA + MoE, fused experts)")
     p.add_argument("--layers", type=int, help="gpu only: fewer decoder layers than the shape has")
     sub.add_parser("render")
-    sub.add_parser("quick").add_argument("--out", type=Path, default=RESULTS)
+    q = sub.add_parser("quick")
+    q.add_argument("--out", type=Path, default=RESULTS)
+    q.add_argument("--shape", default="coder-6.7b")
+    q.add_argument("--layers", type=int)
     args = parser.parse_args()
     if args.cmd == "quick":
-        quick(args.out)
+        quick(args.out, args.shape, args.layers)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers)
         if args.out == RESULTS:

@@ -55,6 +55,7 @@ def packed_experts(experts, out, inp, g, bits, group, symmetric):
 CASES = [  # (n, experts, top_k, hidden, inter, quantization)
     (1, 8, 2, 64, 32, None), (6, 8, 3, 96, 48, None), (33, 4, 2, 64, 80, None), (260, 4, 2, 32, 16, None),
     (3, 8, 2, 128, 64, (4, 64, True)), (20, 4, 2, 128, 128, (4, 64, False)), (5, 4, 3, 128, 64, (8, 64, True)),
+    (4, 8, 2, 256, 128, (8, 128, True)),  # groups longer than a tile
 ]
 
 
