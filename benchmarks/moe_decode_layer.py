@@ -1,0 +1,176 @@
+"""Decode time of one DeepSeek MoE decoder layer (MLA + routed experts) in the engine, against the bytes it must read.
+
+On the GPU machine (DeepSeek-V3's shapes, random bf16 weights, then the same RTN-quantized to W4A16):
+    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT
+Here, to check the script end to end on a V3-shaped model a few MB large:
+    .venv/bin/python benchmarks/moe_decode_layer.py run --shape v3-smoke
+Then here: .venv/bin/python benchmarks/moe_decode_layer.py render
+
+A model of 1 dense + N MoE layers and its first two layers alone (the same tensors, no copy) run the
+same decode steps with CUDA graphs captured before timing; the difference of their step times over
+N - 1 is the time of one MoE layer, with the embedding, the lm_head (1.9 GB in V3) and the engine's
+host work cancelled out. The bytes one MoE layer must read at batch B: everything but the routed
+experts, plus the expected share of routed experts at least one of the B tokens picks under uniform
+routing (1 - (1 - k/E)^B); the roofline is those bytes over the copy bandwidth of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import RESULTS, table, update_section, write_result  # noqa: E402
+
+MOE_LAYERS = 3  # + 1 dense: about 72 GB of bf16 weights at V3's shapes, with room for W4A16 beside it
+BATCHES = (1, 32)
+STEPS = 32
+
+
+def build(shape: str, layers: int, device: str):
+    """1 dense + `layers` - 1 MoE layers of `shape`'s config, random bf16 (float32 on CPU) weights."""
+    from quantize_v3 import SHAPES
+
+    from quantship.models.causal_lm import CausalLM
+    from quantship.models.config import config_from_dict
+
+    raw = dict(SHAPES[shape], num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: V3's 4 layers in float32 would not fit
+    try:
+        with torch.device(device):
+            model = CausalLM(config_from_dict(raw)).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        # Small weights keep activations finite through random layers; routers at 0.02 spread the tokens.
+        torch.nn.init.normal_(p, std=0.02 if p.dim() > 1 and "gate.weight" in name else p.shape[-1] ** -0.5)
+    return model
+
+
+def first_layers(model, layers: int):
+    """A model of `model`'s first `layers` decoder layers: the same modules, nothing copied."""
+    from dataclasses import replace
+
+    from quantship.models.causal_lm import CausalLM
+
+    with torch.device("meta"):
+        view = CausalLM(replace(model.config, num_hidden_layers=layers), list(model.model.layers[:layers]))
+    view.model.embed_tokens, view.model.norm, view.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
+    return view.eval()
+
+
+def step_seconds(model, batch: int) -> float:
+    """Median seconds of one decode step of `batch` sequences (graphs captured, kernels warm)."""
+    from engine_throughput import ready_engine
+
+    from quantship.engine.config import EngineConfig
+    from quantship.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(max_num_seqs=max(BATCHES), max_num_batched_tokens=max(BATCHES) * 16,
+                          max_model_len=16 + 8 * STEPS, kv_cache_bytes=4 << 30)
+    engine = ready_engine(model, config)
+    device = next(model.parameters()).device
+    for i in range(batch):
+        engine.add_request(f"s{i}", [3 + i] * 16, SamplingParams(max_tokens=6 * STEPS, ignore_eos=True))
+    engine.step()  # prefill
+    times = []
+    for _ in range(4 * STEPS):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    for i in range(batch):
+        engine.abort(f"s{i}")
+    engine.step()
+    return statistics.median(times[STEPS:])  # past the first few steps' key-length buckets
+
+
+def layer_bytes(model, batch: int) -> float:
+    """Bytes one MoE layer (the last) reads in a decode step of `batch` tokens."""
+    from engine_throughput import read_bytes, routed_bytes
+
+    from quantship.models.quantized import weight_bytes
+
+    layer = model.model.layers[-1]
+    return read_bytes(weight_bytes(layer), routed_bytes(layer), model.config, batch)
+
+
+def run(shape: str, out: Path) -> None:
+    from engine_throughput import copy_bandwidth, quantized_copy
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    full = build(shape, 1 + MOE_LAYERS, device)
+    variants = {"bf16" if device == "cuda" else "float32": full}
+    variants["w4a16"] = quantized_copy(full)
+    bandwidth = copy_bandwidth() if device == "cuda" else None
+    rows = []
+    with torch.inference_mode():
+        for scheme, model in variants.items():
+            short = first_layers(model, 2)
+            read = {b: layer_bytes(model, b) for b in BATCHES}  # before any engine makes decode copies
+            for batch in BATCHES:
+                t_full, t_short = step_seconds(model, batch), step_seconds(short, batch)
+                per_layer = (t_full - t_short) / (MOE_LAYERS - 1)
+                row = {"scheme": scheme, "batch": batch, "layer_ms": per_layer * 1e3, "step_ms_full": t_full * 1e3,
+                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch]}
+                if bandwidth:
+                    row["roofline_ms"] = read[batch] / bandwidth * 1e3
+                    row["of_roofline"] = row["roofline_ms"] / row["layer_ms"]
+                rows.append(row)
+                print(row, flush=True)
+    result = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "moe_layers": MOE_LAYERS, "copy_bandwidth": bandwidth, "rows": rows, "torch": torch.__version__}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"moe_decode_layer_{shape}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def render() -> None:
+    path = RESULTS / "moe_decode_layer_v3.json"
+    if not path.exists():
+        return
+    r = json.loads(path.read_text())
+    write_result(path.stem, r)
+    rows = [[x["scheme"], x["batch"], f"{x['layer_ms']:.3f}", f"{x['layer_read_bytes'] / 1e9:.2f}",
+             f"{x['roofline_ms']:.3f}", f"{x['of_roofline']:.0%}"] for x in r["rows"]]
+    text = ["## DeepSeek-V3 MoE layer: decode time against the bytes it reads", "",
+            f"`benchmarks/moe_decode_layer.py` on {r['device']}: DeepSeek-V3's shapes (hidden 7168, 256 routed "
+            "experts top-8 in 8 groups / top-4, 1 shared, MLA q_lora 1536 / kv_lora 512), random weights; one MoE "
+            f"layer's time = (step of 1 dense + {r['moe_layers']} MoE layers - step of 1 dense + 1 MoE) / "
+            f"{r['moe_layers'] - 1}, graphs captured before timing. Bytes read: the layer's weights but its routed "
+            "experts, plus the expected share of routed experts the batch's tokens pick (uniform routing); "
+            f"roofline = those bytes / copy bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s, same run).", "",
+            table(["weights", "batch", "ms per MoE layer", "GB read", "roofline ms", "of roofline"], rows)]
+    update_section("moe_decode_layer", "\n".join(text))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("--shape", default="v3", choices=["v3", "v3-smoke"])
+    p.add_argument("--out", type=Path, default=RESULTS)
+    sub.add_parser("render")
+    args = parser.parse_args()
+    if args.cmd == "run":
+        run(args.shape, args.out)
+    else:
+        render()
+
+
+if __name__ == "__main__":
+    main()
