@@ -49,6 +49,26 @@ def test_block_arithmetic_with_partial_edge_blocks():
     torch.testing.assert_close(w, _by_hand(values, scale), rtol=0, atol=0)
 
 
+def test_a_held_linear_keeps_its_stored_dtype_and_widens_exactly():
+    """HeldLinear (the quantizer's routed experts) stays float8 / bf16 under .to(float32) and computes
+    what the float32 weight would: the same dequantization, bit for bit."""
+    from quantship.models.held import HeldLinear, dense_weight
+
+    values = (torch.randn(200, 300) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3) + 0.5
+    fp8 = HeldLinear(300, 200, (128, 128))
+    fp8.load_state_dict({"weight": values, "weight_scale_inv": scale}, assign=True)
+    bf16 = HeldLinear(300, 200)
+    bf16.load_state_dict({"weight": torch.randn(200, 300).bfloat16()}, assign=True)
+    x = torch.randn(5, 300)
+    for layer, stored, widened in ((fp8, torch.float8_e4m3fn, dequantize_blocks(values, scale, (128, 128))),
+                                   (bf16, torch.bfloat16, bf16.weight.float())):
+        layer.to(torch.float32)
+        assert layer.weight.dtype == stored and isinstance(layer, torch.nn.Linear)
+        assert torch.equal(dense_weight(layer), widened)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, widened))
+
+
 def test_layers_are_dequantized_exactly(fp8):
     ck = Checkpoint(fp8)
     raw = ck.read([n for n in ck.layer_tensors[1]])

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from quantship.models.bundled import TINY_DIR
 from quantship.models.causal_lm import CausalLM
@@ -147,3 +148,56 @@ def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch
     assert one.keys() == groups.keys()
     for name in one:
         assert torch.equal(one[name], groups[name]), name
+
+
+@pytest.mark.parametrize("source,method", [("bf16", "rtn"), ("bf16", "gptq"), ("fp8", "gptq")])
+def test_routed_experts_stay_as_stored_and_the_output_does_not_change(tmp_path, monkeypatch, source, method):
+    """The routed experts a run quantizes are held on the device as the checkpoint stores them (bf16, or
+    FP8 blocks with their scales) and widened per use: a MoE layer loads at a half (bf16) or a quarter
+    (FP8) of its float32 size, and every tensor written equals what loading them in float32 writes."""
+    from safetensors.torch import load_file
+
+    from quantship.models.held import HeldLinear
+    from quantship.models.loader import Checkpoint
+    from quantship.quant import pipeline
+    from quantship.quant.pipeline import QuantizeOptions, quantize
+
+    from fp8_models import convert_to_fp8
+
+    model = TINY_DIR if source == "bf16" else convert_to_fp8(TINY_DIR, tmp_path / "fp8", mtp=False)
+    loaded = []
+    original = Checkpoint.layer
+
+    def spy(self, index, dtype=torch.float32, device="cpu", held=None):
+        layer = original(self, index, dtype, device, held)
+        experts = [m for n, m in layer.named_modules() if n.startswith("mlp.experts.") and isinstance(m, nn.Linear)]
+        loaded.append({"experts": len(experts), "held": sum(isinstance(m, HeldLinear) for m in experts),
+                       "bytes": sum(t.numel() * t.element_size() for m in experts for t in m.state_dict().values()),
+                       "float32": sum(4 * m.weight.numel() for m in experts)})
+        return layer
+
+    monkeypatch.setattr(Checkpoint, "layer", spy)
+    options = QuantizeOptions(scheme="W4A16", method=method, samples=4, seq_len=64)
+    quantize(str(model), tmp_path / "held", options, progress=False)
+    moe = [x for x in loaded if x["experts"]]
+    assert moe and all(x["held"] == x["experts"] for x in moe)
+    share = 0.5 if source == "bf16" else 0.25
+    assert all(share <= x["bytes"] / x["float32"] < share * 1.01 for x in moe)  # FP8: + one scale per block
+    loaded.clear()
+    monkeypatch.setattr(pipeline, "_held_experts", lambda *args: None)
+    quantize(str(model), tmp_path / "float32", options, progress=False)
+    assert all(x["held"] == 0 and x["bytes"] == x["float32"] for x in loaded if x["experts"])
+
+    def tensors(out):
+        merged = {}
+        for shard in sorted(out.glob("*.safetensors")):
+            merged.update(load_file(shard))
+        return merged
+
+    recipes = [json.loads((tmp_path / d / "quantship_recipe.json").read_text()) for d in ("held", "float32")]
+    assert [r["memory"]["routed_experts"] for r in recipes] == ["as stored" if source == "bf16" else "fp8 blocks",
+                                                               "float32"]
+    held, float32 = tensors(tmp_path / "held"), tensors(tmp_path / "float32")
+    assert held.keys() == float32.keys()
+    for name in held:
+        assert torch.equal(held[name], float32[name]), name

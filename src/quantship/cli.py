@@ -216,8 +216,10 @@ def cmd_quantize(args) -> int:
     memory = recipe.get("memory") or {}
     if memory.get("activations") == "host" or memory.get("expert_groups", 1) > 1:
         where = "host memory" if memory["activations"] == "host" else "the device"
+        held = memory.get("routed_experts", "float32")
+        held = f", held {held} and widened per use" if held != "float32" else ""
         print(f"memory: calibration activations in {where} ({memory['activation_bytes'] / 2**30:.1f} GiB a copy); "
-              f"routed experts solved in {memory['expert_groups']} group(s) of Hessians")
+              f"routed experts solved in {memory['expert_groups']} group(s) of Hessians{held}")
     if calib and calib["samples"] < calib["samples_requested"]:
         print(f"note: the calibration text holds only {calib['samples']} samples of {calib['seq_len']} tokens")
     if recipe["fallbacks"]:

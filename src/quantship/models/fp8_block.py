@@ -11,7 +11,7 @@ kept in FP8, quantizing its inputs per token and group of 128 on the fly, as vLL
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,10 +52,12 @@ class Fp8Source:
 
 
 def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int], prefix: str,
-                     files: Mapping[str, Path]) -> None:
-    """Replace every (weight, weight_scale_inv) pair of a layer's state by the float32 weight, in place.
+                     files: Mapping[str, Path], held: Callable[[str], bool] | None = None) -> None:
+    """Replace every (weight, weight_scale_inv) pair of a layer's state by the float32 weight, in place;
+    the pairs of the modules `held` names are checked and left as they are (models/held.py).
 
     Names are relative to the layer; `prefix` + name is the checkpoint name, for error messages."""
+    kept = set()
     for key in [k for k in state if k.endswith(SCALE_SUFFIX)]:
         module = key[: -len(SCALE_SUFFIX)]
         weight_key = module + ".weight"
@@ -70,8 +72,12 @@ def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int], pre
         if tuple(scale.shape) != expected:
             raise QuantshipError(f"{prefix}{key} has shape {list(scale.shape)}; {block[0]}x{block[1]} blocks over "
                                  f"{list(values.shape)} need {list(expected)}", where)
+        if held is not None and held(module):
+            state[weight_key], state[key] = values, scale
+            kept.add(weight_key)
+            continue
         state[weight_key] = dequantize_blocks(values, scale, block)
-    stray = [k for k, t in state.items() if t.dtype == torch.float8_e4m3fn]
+    stray = [k for k, t in state.items() if t.dtype == torch.float8_e4m3fn and k not in kept]
     if stray:
         raise QuantshipError(f"{prefix}{stray[0]} is float8 without a weight_scale_inv",
                              files.get(prefix + stray[0], ""))

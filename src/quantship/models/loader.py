@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,7 +19,8 @@ from quantship.errors import QuantshipError
 from quantship.formats.compressed_tensors import CompressedTensorsReader
 from quantship.models.causal_lm import CausalLM, build_layer
 from quantship.models.config import ModelConfig, load_config
-from quantship.models.fp8_block import Fp8Source, dequantize_state, is_fp8_block_source
+from quantship.models.fp8_block import SCALE_SUFFIX, Fp8Source, dequantize_state, is_fp8_block_source
+from quantship.models.held import HeldLinear
 from quantship.models.mtp import MTPLayer
 from quantship.models.quantized import runtime_linear
 
@@ -136,13 +137,14 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         return self.read([name])[name]
 
-    def layer_state(self, index: int) -> dict[str, torch.Tensor]:
-        """The tensors of decoder layer `index`, named relative to the layer, experts split per expert."""
+    def layer_state(self, index: int, held: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of decoder layer `index`, named relative to the layer, experts split per expert.
+        FP8 sources come dequantized to float32, but for the Linears `held` names (kept as stored)."""
         prefix = f"model.layers.{index}."
         raw = self.read(self.layer_tensors.get(index, []))
         state = split_fused_experts({name[len(prefix):]: t for name, t in raw.items()})
         if self.fp8_source is not None:
-            dequantize_state(state, self.fp8_source.block, prefix, self.files)
+            dequantize_state(state, self.fp8_source.block, prefix, self.files, held)
         return state
 
     def _fill(self, module: nn.Module, state: dict[str, torch.Tensor], where: str, dtype, device) -> nn.Module:
@@ -165,25 +167,44 @@ class Checkpoint:
         first = self.config.num_hidden_layers
         return [i for i in range(first, first + self.config.num_nextn_predict_layers) if i in self.layer_tensors]
 
-    def layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    def layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              held: Callable[[str], bool] | None = None) -> nn.Module:
+        """Decoder layer `index` in `dtype` on `device`; the Linears `held` names (relative to the layer)
+        stay as the checkpoint stores them (models/held.py)."""
         if not 0 <= index < self.config.num_hidden_layers:
             raise IndexError(index)
         with torch.device("meta"):
             layer = build_layer(self.config, index)
-        return self._load_layer(layer, index, dtype, device)
+        return self._load_layer(layer, index, dtype, device, held)
 
-    def mtp_layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MTPLayer:
+    def mtp_layer(self, index: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                  held: Callable[[str], bool] | None = None) -> MTPLayer:
         if index not in self.mtp_indices:
             raise IndexError(index)
         with torch.device("meta"):
             layer = MTPLayer(self.config, index)
-        return self._load_layer(layer, index, dtype, device)
+        return self._load_layer(layer, index, dtype, device, held)
 
-    def _load_layer(self, layer: nn.Module, index: int, dtype, device) -> nn.Module:
-        state = self.layer_state(index)
+    def _load_layer(self, layer: nn.Module, index: int, dtype, device, held=None) -> nn.Module:
+        if self.quantized is not None:
+            held = None  # a quantized checkpoint's Linears are swapped for the layers that run them
+        state = self.layer_state(index, held)
         if self.quantized is not None:
             self._swap_quantized(layer, f"model.layers.{index}", state)
+        if held is not None:
+            self._hold(layer, held, state)
         return self._fill(layer, state, f"model.layers.{index}", dtype, device)
+
+    def _hold(self, layer: nn.Module, held: Callable[[str], bool], state: dict[str, torch.Tensor]) -> None:
+        """Swap the (meta) Linears `held` names for HeldLinears of the same shape, FP8 blocks where the
+        state still has their scales; _fill then assigns the stored tensors as they are."""
+        for name, module in list(layer.named_modules()):
+            if type(module) is not nn.Linear or not held(name):
+                continue
+            block = self.fp8_source.block if name + SCALE_SUFFIX in state else None
+            owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            setattr(layer.get_submodule(owner), attr,
+                    HeldLinear(module.in_features, module.out_features, block, module.bias is not None))
 
     def _swap_quantized(self, layer: nn.Module, prefix: str, state: dict[str, torch.Tensor]) -> None:
         """Replace every Linear of `layer` whose tensors in `state` are quantized by the layer that runs them;

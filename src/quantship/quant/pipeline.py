@@ -19,7 +19,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from quantship.files import check_output_location, publish_directory, sha256_fil
 from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
+from quantship.models.held import dense_weight
 from quantship.models.loader import Checkpoint
 from quantship.models.mtp import MTPLayer
 from quantship.models.quantized import runtime_linear
@@ -194,13 +195,13 @@ def _round(weight: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
     return rtn_quantize(weight, w)
 
 
-def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
+def _quantize_weights(weights: Mapping[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
                       stats: LayerStats, fallbacks: list[str], workers: Workers) -> dict[str, QuantizedTensor]:
     # FP8 blocks are always rounded (data-free, as llm-compressor's FP8_BLOCK); a method applies to the rest.
     gptq = METHODS[opts.method].gptq
     rounded = {n for n, s in schemes.items() if not gptq or s.weights.strategy == "block"}
-    out = {n: _round(weights[n], schemes[n]) for n in rounded}
-    weights = {n: w for n, w in weights.items() if n not in rounded}
+    out = {n: _round(weights[n], schemes[n]) for n in rounded}  # `weights` may widen each as it is read
+    weights = {n: weights[n] for n in weights if n not in rounded}
     if not weights:
         return out
     from quantship.quant.gptq import gptq_quantize_many
@@ -235,6 +236,33 @@ def _quantize_weights(weights: dict[str, torch.Tensor], schemes: dict[str, Schem
     template = {n: QuantizedTensor(None, None, None, schemes[n].weights) for n in solvable}
     out.update(workers.share(solved, solvable, template))
     return out
+
+
+class _DenseWeights(Mapping):
+    """name → float32 weight of a layer's Linears, made when read: held experts (models/held.py) are
+    widened one at a time as the rounding or a GPTQ batch asks, never all at once."""
+
+    def __init__(self, layer: nn.Module, names: list[str]):
+        self.layer, self.names, self.known = layer, list(names), set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.known:
+            raise KeyError(name)
+        return dense_weight(self.layer.get_submodule(name))
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _held_experts(prefix: str, chosen: dict[str, Scheme], opts: QuantizeOptions) -> Callable[[str], bool] | None:
+    """Which Linears of a layer stay as the checkpoint stores them on the device: the routed experts
+    this run quantizes, unless AWQ (its search rescales weights in place, in float32)."""
+    if METHODS[opts.method].awq:
+        return None
+    return lambda name: _EXPERT.match(name + ".") is not None and prefix + name in chosen
 
 
 def _clip(weight: torch.Tensor, sample, scheme: Scheme, min_tokens: int) -> torch.Tensor:
@@ -337,7 +365,7 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
         else:
             stats = collect_stats(layer, hidden, positions, want_hessian=method.gptq, keep_rows=method.kept_rows,
                                   experts=group, others=number == 0)
-        weights = {n: layer.get_submodule(n).weight.data for n in names}
+        weights = _DenseWeights(layer, names)
         if method.awq:
             weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
                        for n, w in weights.items()}
@@ -472,7 +500,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
     progress("quantize", ck.config.num_hidden_layers, run.next_layer)
     for index in range(run.next_layer, ck.config.num_hidden_layers):
-        layer = ck.layer(index, compute_dtype, device)
+        layer = ck.layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen, opts))
         done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype,
                                workers)
         if done["expert_tokens"]:
@@ -491,7 +519,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         if opts.mtp == "keep":
             M.copy_layer(ck, index, writer)
         else:
-            layer = ck.mtp_layer(index, compute_dtype, device)
+            layer = ck.mtp_layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen, opts))
             mtp_hidden = None
             if calibrated:
                 norm = ck.tensor("model.norm.weight")  # the MTP layer reads the main model's normed output
@@ -538,12 +566,15 @@ def _write_config(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme], opts: Qu
 
 
 def _memory_plan(ck: Checkpoint, opts: QuantizeOptions, device: torch.device, tokens: int) -> dict:
-    """Where this run kept its calibration activations, and in how many groups GPTQ solved each MoE
-    layer's routed experts (see _activation_store and _expert_groups)."""
+    """Where this run kept its calibration activations, in how many groups GPTQ solved each MoE layer's
+    routed experts, and whether those stayed as stored (see _activation_store, _expert_groups and
+    _held_experts)."""
     c = ck.config
     offloaded = device.type == "cuda" and _activation_store(device, tokens, c.hidden_size).type == "cpu"
-    plan = {"activations": "host" if offloaded else "device",
-            "activation_bytes": tokens * c.hidden_size * 4, "expert_groups": 1}
+    held = bool(c.n_routed_experts) and ck.quantized is None and _held_experts("", {}, opts) is not None
+    plan = {"activations": "none" if not tokens else "host" if offloaded else "device",
+            "activation_bytes": tokens * c.hidden_size * 4, "expert_groups": 1,
+            "routed_experts": ("fp8 blocks" if ck.fp8_source else "as stored") if held else "float32"}
     if METHODS[opts.method].gptq and c.n_routed_experts:
         plan["expert_groups"] = -(-c.n_routed_experts // _experts_per_group(c.hidden_size, c.moe_intermediate_size))
     return plan
@@ -579,8 +610,7 @@ def build_recipe(ck: Checkpoint, opts: QuantizeOptions, chosen: dict[str, Scheme
     if opts.plan is not None:
         recipe["plan"] = {n: s.name for n, s in chosen.items()}
     recipe["calibration"] = calibration
-    if calibration:
-        recipe["memory"] = _memory_plan(ck, opts, device, calibration["tokens"])
+    recipe["memory"] = _memory_plan(ck, opts, device, calibration["tokens"] if calibration else 0)
     if resumed_from is not None:
         recipe["resumed_from_layer"] = resumed_from
     recipe["seconds"] = seconds
