@@ -195,19 +195,19 @@ def _round(weight: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
     return rtn_quantize(weight, w)
 
 
-def _quantize_weights(weights: Mapping[str, torch.Tensor], schemes: dict[str, Scheme], opts: QuantizeOptions,
+def _quantize_weights(weights: _DenseWeights, schemes: dict[str, Scheme], opts: QuantizeOptions,
                       stats: LayerStats, fallbacks: list[str], workers: Workers) -> dict[str, QuantizedTensor]:
     # FP8 blocks are always rounded (data-free, as llm-compressor's FP8_BLOCK); a method applies to the rest.
     gptq = METHODS[opts.method].gptq
     rounded = {n for n, s in schemes.items() if not gptq or s.weights.strategy == "block"}
-    out = {n: _round(weights[n], schemes[n]) for n in rounded}  # `weights` may widen each as it is read
-    weights = {n: weights[n] for n in weights if n not in rounded}
-    if not weights:
+    out = {n: _round(weights[n], schemes[n]) for n in rounded}  # each weight widened as it is read
+    pending = [n for n in weights if n not in rounded]
+    if not pending:
         return out
     from quantship.quant.gptq import gptq_quantize_many
 
     hessians = {}
-    for name in weights:
+    for name in pending:
         chosen = stats.routed[name]
         if name in stats.all_tokens and chosen.tokens < opts.min_expert_tokens:
             chosen = stats.all_tokens[name]  # a starved expert borrows the every-token statistics
@@ -223,7 +223,7 @@ def _quantize_weights(weights: Mapping[str, torch.Tensor], schemes: dict[str, Sc
     batches: dict[tuple, list[str]] = {}
     for name in solvable:
         if name in mine:
-            batches.setdefault((tuple(weights[name].shape), schemes[name]), []).append(name)
+            batches.setdefault((weights.shape(name), schemes[name]), []).append(name)
     solved: dict[str, QuantizedTensor] = {}
     for (shape, scheme), names in batches.items():
         step = max(1, HESSIAN_BATCH_BYTES // (shape[1] * shape[1] * 4))
@@ -240,21 +240,25 @@ def _quantize_weights(weights: Mapping[str, torch.Tensor], schemes: dict[str, Sc
 
 class _DenseWeights(Mapping):
     """name → float32 weight of a layer's Linears, made when read: held experts (models/held.py) are
-    widened one at a time as the rounding or a GPTQ batch asks, never all at once."""
+    widened one at a time as the rounding or a GPTQ batch asks, never all at once. `given` weights
+    (AWQ's clipped ones) are returned as they are."""
 
-    def __init__(self, layer: nn.Module, names: list[str]):
-        self.layer, self.names, self.known = layer, list(names), set(names)
+    def __init__(self, layer: nn.Module, names: list[str], given: dict[str, torch.Tensor] | None = None):
+        self.layer, self.names, self.known, self.given = layer, list(names), set(names), given or {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.known:
             raise KeyError(name)
-        return dense_weight(self.layer.get_submodule(name))
+        return self.given[name] if name in self.given else dense_weight(self.layer.get_submodule(name))
 
     def __iter__(self):
         return iter(self.names)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple((self.given[name] if name in self.given else self.layer.get_submodule(name).weight).shape)
 
 
 def _held_experts(prefix: str, chosen: dict[str, Scheme], opts: QuantizeOptions) -> Callable[[str], bool] | None:
@@ -367,8 +371,8 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
                                   experts=group, others=number == 0)
         weights = _DenseWeights(layer, names)
         if method.awq:
-            weights = {n: _clip(w, stats.routed[n], schemes[n], opts.min_expert_tokens) if n in searched else w
-                       for n, w in weights.items()}
+            weights = _DenseWeights(layer, names, {n: _clip(weights[n], stats.routed[n], schemes[n],
+                                                            opts.min_expert_tokens) for n in names if n in searched})
         quantized.update(_quantize_weights(weights, {n: schemes[n] for n in names}, opts, stats, fallbacks, workers))
         expert_tokens += stats.expert_tokens
         del stats, weights  # this group's Hessians
