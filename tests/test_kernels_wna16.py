@@ -50,6 +50,8 @@ CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across
     (8, 1000, False, 65, 24, 1000),
     (4, 64, False, 4, 40, 2048),  # the decode (gemv) class with split K
     (8, 32, True, 2, 24, 64),
+    (4, 32, False, 12, 40, 160),  # the small tensor-core tile: asymmetric, K inside one tile, tiles span groups
+    (4, 96, True, 9, 24, 96),  # the small tile, per-channel
 ]
 
 
