@@ -108,8 +108,10 @@ def copy_bandwidth() -> float:
 def quantized_copy(model):
     """The same model with every decoder Linear RTN-quantized to W4A16 (symmetric, group 128, or the
     fallback `quantship quantize` takes where 128 does not divide the input: V2-Lite's dense MLP) into
-    PackedLinear; embeddings, norms and lm_head shared with the original (no copy)."""
+    PackedLinear, but MLA's kv_b_proj, which the loader holds dequantized (the absorbed decode reads it
+    whole every step); embeddings, norms and lm_head shared with the original (no copy)."""
     from quantship.models.causal_lm import CausalLM
+    from quantship.models.loader import ABSORBED
     from quantship.models.merged import merge_projections
     from quantship.models.quantized import quant_linear
     from quantship.quant.rtn import rtn_quantize
@@ -126,9 +128,14 @@ def quantized_copy(model):
         for name, module in list(layer.named_modules()):
             if isinstance(module, torch.nn.Linear):
                 q = rtn_quantize(module.weight.data, scheme.fitted_to(module.in_features).weights)
+                new = quant_linear(q.values, q.scale.to(module.weight.dtype), q.zero_point, bits=4)
+                if name == ABSORBED:
+                    dense = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+                    weight = new.dequantized_weight(module.weight.dtype).contiguous()
+                    dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+                    new = dense
                 owner, attr = name.rsplit(".", 1)
-                setattr(layer.get_submodule(owner), attr,
-                        quant_linear(q.values, q.scale.to(module.weight.dtype), q.zero_point, bits=4))
+                setattr(layer.get_submodule(owner), attr, new)
     return copy.eval()
 
 
@@ -418,7 +425,7 @@ def w4a16_section(r: dict, label: str) -> list[str]:
              "run PyTorch's tinygemm up to 8 rows, our small tensor-core tile up to 16, our Triton tile up to 64 "
              "and dequantize + cuBLAS beyond (kernel table below); routed experts run the fused MoE kernels.", "",
              table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "W4 roofline tok/s", "of roofline"], rows),
-             "",
+             "", *([w["note"], ""] if w.get("note") else []),
              f"TTFT of a {ttft['bf16']['prompt_len']}-token prompt at batch 1: W4A16 "
              f"{ttft['w4a16']['ours_s'] * 1e3:.1f} ms, bf16 {ttft['bf16']['ours_s'] * 1e3:.1f} ms"
              + (f", transformers bf16 {theirs * 1e3:.1f} ms" if theirs else "") + ".", "",

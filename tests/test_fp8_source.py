@@ -52,7 +52,7 @@ def test_block_arithmetic_with_partial_edge_blocks():
 def test_a_held_linear_keeps_its_stored_dtype_and_widens_exactly():
     """HeldLinear (the quantizer's routed experts) stays float8 / bf16 under .to(float32) and computes
     what the float32 weight would: the same dequantization, bit for bit."""
-    from quantship.models.held import HeldLinear, dense_weight
+    from quantship.models.held import HeldLinear, float32_weight
 
     values = (torch.randn(200, 300) * 50).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 3) + 0.5
@@ -65,7 +65,7 @@ def test_a_held_linear_keeps_its_stored_dtype_and_widens_exactly():
                                    (bf16, torch.bfloat16, bf16.weight.float())):
         layer.to(torch.float32)
         assert layer.weight.dtype == stored and isinstance(layer, torch.nn.Linear)
-        assert torch.equal(dense_weight(layer), widened)
+        assert torch.equal(float32_weight(layer), widened)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, widened))
 
 

@@ -4,8 +4,9 @@ The quantizer computes in float32, but a DeepSeek-V3 MoE layer's 768 routed-expe
 in float32 against 22.5 GB in bf16 and 11.3 GB as the published FP8 blocks. `HeldLinear` keeps a
 weight as it was read (bf16/fp16, or float8 values with their per-block `weight_scale_inv`), runs
 forward by widening it to the input's dtype for that call, and hands the quantizer a float32 copy
-when asked (`dense_weight`), one Linear at a time. Widening is exact (bf16 into float32) or the very
-dequantization the loader would have done up front (FP8 blocks), so results do not change.
+when asked (`dequantized_weight`, as the quantized Linears name it), one Linear at a time. Widening
+is exact (bf16 into float32) or the very dequantization the loader would have done up front (FP8
+blocks), so results do not change.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class HeldLinear(nn.Linear):
         self.register_buffer("weight_scale_inv", scale)
         self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False) if bias else None
 
-    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return self.weight.to(dtype)
         # The product dequantize_blocks computes, in a few whole-tensor ops: this runs for every expert
@@ -40,7 +41,7 @@ class HeldLinear(nn.Linear):
         return (self.weight.float() * scale.repeat_interleave(self.block[1], 1)[:, :inp]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def _apply(self, fn, recurse=True):
         # .to(device, dtype) moves the stored tensors but must not widen them (that is the point): they
@@ -57,6 +58,6 @@ class HeldLinear(nn.Linear):
         return f"in={self.in_features}, out={self.out_features}, held as {held}"
 
 
-def dense_weight(module: nn.Linear) -> torch.Tensor:
+def float32_weight(module: nn.Linear) -> torch.Tensor:
     """A Linear's weight in float32 (a held one widened now; any other as it is)."""
-    return module.dense_weight() if isinstance(module, HeldLinear) else module.weight.data
+    return module.dequantized_weight() if isinstance(module, HeldLinear) else module.weight.data

@@ -33,7 +33,7 @@ from quantship.files import check_output_location, publish_directory, sha256_fil
 from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
-from quantship.models.held import dense_weight
+from quantship.models.held import float32_weight
 from quantship.models.loader import Checkpoint
 from quantship.models.mtp import MTPLayer
 from quantship.models.quantized import runtime_linear
@@ -249,7 +249,7 @@ class _DenseWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.known:
             raise KeyError(name)
-        return self.given[name] if name in self.given else dense_weight(self.layer.get_submodule(name))
+        return self.given[name] if name in self.given else float32_weight(self.layer.get_submodule(name))
 
     def __iter__(self):
         return iter(self.names)
