@@ -52,6 +52,7 @@ CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across
     (8, 32, True, 2, 24, 64),
     (4, 32, False, 12, 40, 160),  # the small tensor-core tile: asymmetric, K inside one tile, tiles span groups
     (4, 96, True, 9, 24, 96),  # the small tile, per-channel
+    (4, 384, False, 10, 24, 768),  # the small tile: groups longer than a tile that its tiles still straddle
 ]
 
 

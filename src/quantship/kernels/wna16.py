@@ -14,13 +14,13 @@ input rows by BLOCK_N outputs is one coalesced load of BLOCK_K / P rows of words
 straddles a quantization group (BLOCK_K divides the group), so the scale multiplies the tile's
 partial dot product once per output instead of every weight.
 
-Three kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a tensor-core tile, and a
-dequantize pass that writes the bf16 weight once for cuBLAS. The small-M ones split K over several
+Four kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a small and a larger tensor-core
+tile, and a dequantize pass that writes the bf16 weight once for cuBLAS. The small-M ones split K over several
 programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU; the two
 smallest classes gather scales per word row, so their tiles may span quantization groups. Which
 runs for which M is a fixed table measured on an H200 (benchmarks/kernel_wna16.py), never tuned on
 the request path. `tinygemm_pack` makes the same int4 weight for PyTorch's own decode kernel, which
-measured faster than ours at M <= 16 (models/quantized.py decides).
+measured as fast as ours at one row and faster at a few (models/quantized.py sends it up to 8).
 """
 
 from __future__ import annotations
@@ -203,8 +203,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if blocks.kind == "gemv":
         kernels.wna16_gemv_kernel[grid](*args, **common)
     elif blocks.kind == "small_dot":
-        kernels.wna16_small_dot_kernel[grid](*args, SPANS=group_size < min(block_k, k), BLOCK_M=blocks.block_m,
-                                             **common)
+        # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
+        spans = group_size < k and group_size % block_k != 0
+        kernels.wna16_small_dot_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m, **common)
     else:
         kernels.wna16_dot_kernel[grid](*args, BLOCK_M=blocks.block_m, **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)
