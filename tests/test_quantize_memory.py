@@ -150,7 +150,8 @@ def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch
         assert torch.equal(one[name], groups[name]), name
 
 
-@pytest.mark.parametrize("source,method", [("bf16", "rtn"), ("bf16", "gptq"), ("fp8", "gptq")])
+@pytest.mark.parametrize("source,method", [("bf16", "rtn"), ("bf16", "gptq"), ("fp8", "gptq"), ("bf16", "awq"),
+                                           ("fp8", "awq")])
 def test_routed_experts_stay_as_stored_and_the_output_does_not_change(tmp_path, monkeypatch, source, method):
     """The routed experts a run quantizes are held on the device as the checkpoint stores them (bf16, or
     FP8 blocks with their scales) and widened per use: a MoE layer loads at a half (bf16) or a quarter

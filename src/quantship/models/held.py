@@ -7,9 +7,16 @@ forward by widening it to the input's dtype for that call, and hands the quantiz
 when asked (`dequantized_weight`, as the quantized Linears name it), one Linear at a time. Widening
 is exact (bf16 into float32) or the very dequantization the loader would have done up front (FP8
 blocks), so results do not change.
+
+AWQ changes the weights it searches without materialising them: its per-channel scales are folded
+(`scale_columns`, `divide_rows`) as float32 products applied at every widening, in the order they
+were folded, which is the arithmetic an in-place fold of a float32 weight does; and its search
+swaps in a fake-quantized weight (`substitute`) that is computed per use, one expert at a time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +37,26 @@ class HeldLinear(nn.Linear):
         scale = None if block is None else torch.empty(block_grid((out_features, in_features), block), device="meta")
         self.register_buffer("weight_scale_inv", scale)
         self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False) if bias else None
+        self.folds: list[tuple[str, torch.Tensor]] = []  # ("columns", s): w × s; ("rows", s): w ÷ s per row
+        self.substitute: Callable[[torch.Tensor], torch.Tensor] | None = None  # float32 weight → the one to use
+
+    def scale_columns(self, s: torch.Tensor) -> None:
+        """From now on the weight is w·diag(s) (s float32, one per input feature)."""
+        self.folds.append(("columns", s))
+
+    def divide_rows(self, s: torch.Tensor) -> None:
+        """From now on the weight is diag(1/s)·w (s float32, one per output feature)."""
+        self.folds.append(("rows", s[:, None]))
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not self.folds and self.substitute is None:
+            return self._widened(dtype)
+        w = self._widened(torch.float32)
+        for kind, s in self.folds:
+            w = w * s if kind == "columns" else w / s
+        return (w if self.substitute is None else self.substitute(w)).to(dtype)
+
+    def _widened(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return self.weight.to(dtype)
         # The product dequantize_blocks computes, in a few whole-tensor ops: this runs for every expert
@@ -51,11 +76,13 @@ class HeldLinear(nn.Linear):
         device = fn(weight.new_empty(0)).device
         self.register_buffer("weight", weight.to(device))
         self.register_buffer("weight_scale_inv", None if scale is None else scale.to(device))
+        self.folds = [(kind, s.to(device)) for kind, s in self.folds]
         return self
 
     def extra_repr(self) -> str:
         held = f"fp8 blocks {self.block[0]}x{self.block[1]}" if self.block else str(self.weight.dtype)
-        return f"in={self.in_features}, out={self.out_features}, held as {held}"
+        folds = f", {len(self.folds)} scale folds" if self.folds else ""
+        return f"in={self.in_features}, out={self.out_features}, held as {held}{folds}"
 
 
 def float32_weight(module: nn.Linear) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship.models.deepseek import MoE
+from quantship.models.held import HeldLinear, float32_weight
 from quantship.quant.rtn import rtn_quantize
 from quantship.quantized_tensor import WeightQuant
 
@@ -79,11 +80,16 @@ def balance_groups(layer: nn.Module) -> list[BalanceGroup]:
 
 @torch.no_grad()
 def _fold(group: BalanceGroup, s: torch.Tensor) -> None:
-    """prev ÷ s, readers' columns × s, computed in float32 and written back in each tensor's dtype."""
+    """prev ÷ s, readers' columns × s, computed in float32 and written back in each tensor's dtype
+    (a held expert records the fold and applies it at each widening, models/held.py)."""
     s = s.to(group.prev.weight.device, torch.float32)
     if isinstance(group.prev, nn.Linear):
         rows = slice(None) if group.rows is None else group.rows.to(s.device)
-        for t in (group.prev.weight, group.prev.bias):
+        if isinstance(group.prev, HeldLinear):
+            assert group.rows is None, "a held Linear folds whole rows"
+            group.prev.divide_rows(s)
+        tensors = [group.prev.bias] if isinstance(group.prev, HeldLinear) else [group.prev.weight, group.prev.bias]
+        for t in tensors:
             if t is not None:
                 shape = (-1,) + (1,) * (t.dim() - 1)
                 t.data[rows] = (t.data[rows].float() / s.view(shape)).to(t.dtype)
@@ -91,7 +97,10 @@ def _fold(group: BalanceGroup, s: torch.Tensor) -> None:
         w = group.prev.weight
         w.data.copy_(w.data.float() / s)
     for mod in group.linears + ([group.router] if group.router is not None else []):
-        mod.weight.data.copy_(mod.weight.data.float() * s)
+        if isinstance(mod, HeldLinear):
+            mod.scale_columns(s)
+        else:
+            mod.weight.data.copy_(mod.weight.data.float() * s)
 
 
 def apply_scales(layer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
@@ -102,11 +111,21 @@ def apply_scales(layer: nn.Module, scales: dict[str, torch.Tensor]) -> None:
 
 
 def _weight_mean(linears: list[nn.Linear], args: WeightQuant) -> torch.Tensor:
-    """Mean |w| per input channel, each weight relative to its group's largest (AutoAWQ's duo scaling)."""
-    w = torch.cat([lin.weight.data for lin in linears]).float().abs()
-    width = args.group_width(w.shape[1])
-    grouped = w.view(w.shape[0], -1, width)
-    return (grouped / grouped.amax(-1, keepdim=True).clamp_min(1e-12)).view_as(w).mean(0).clamp_min(MEAN_FLOOR)
+    """Mean |w| per input channel, each weight relative to its group's largest (AutoAWQ's duo scaling).
+    Summed one Linear at a time: a MoE's readers are every expert's gate and up (30 GB in float32 at
+    DeepSeek-V3's shape), never concatenated."""
+    total, rows = None, 0
+    for lin in linears:
+        w = float32_weight(lin).abs()
+        grouped = w.view(w.shape[0], -1, args.group_width(w.shape[1]))
+        part = (grouped / grouped.amax(-1, keepdim=True).clamp_min(1e-12)).view_as(w).sum(0)
+        total, rows = part if total is None else total + part, rows + w.shape[0]
+    return (total / rows).clamp_min(MEAN_FLOOR)
+
+
+def _fake_quantized(w: torch.Tensor, s: torch.Tensor, args: WeightQuant) -> torch.Tensor:
+    """What the Linear computes with after scaling by s, rounding and folding back (float32)."""
+    return rtn_quantize(w * s, args).dequantize() / s
 
 
 def _candidate(x_mean: torch.Tensor, w_mean: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -119,26 +138,33 @@ def _candidate(x_mean: torch.Tensor, w_mean: torch.Tensor, alpha: float) -> torc
 
 def _search(linears: list[nn.Linear], x: torch.Tensor, run: Callable[[], torch.Tensor], args: WeightQuant,
             grid: int) -> tuple[torch.Tensor, dict]:
-    """Best s for inputs x [tokens, in]; run() gives the measured module's output with current weights."""
+    """Best s for inputs x [tokens, in]; run() gives the measured module's output with current weights.
+    Held experts fake-quantize at each use; other Linears get the fake-quantized weight per candidate."""
     reference = run()
     x_mean = x.abs().mean(0).clamp_min(MEAN_FLOOR)
     w_mean = _weight_mean(linears, args)
-    originals = [lin.weight.data for lin in linears]
+    originals = {lin: lin.weight.data for lin in linears if not isinstance(lin, HeldLinear)}
     best_s, best = torch.ones_like(x_mean), {"ratio": 0.0, "rtn_mse": float("inf"), "awq_mse": float("inf")}
     try:
         for i in range(grid):
             alpha = i / grid
             s = torch.ones_like(x_mean) if i == 0 else _candidate(x_mean, w_mean, alpha)
-            for lin, w in zip(linears, originals):
-                lin.weight.data = rtn_quantize(w * s, args).dequantize() / s
+            for lin in linears:
+                if isinstance(lin, HeldLinear):
+                    lin.substitute = partial(_fake_quantized, s=s, args=args)
+                else:
+                    lin.weight.data = _fake_quantized(originals[lin], s, args)
             err = (run() - reference).pow(2).mean().item()
             if i == 0:
                 best["rtn_mse"] = err
             if err < best["awq_mse"]:  # strict: ties keep the smaller α, and α=0 (plain RTN) first
                 best_s, best["ratio"], best["awq_mse"] = s, alpha, err
     finally:
-        for lin, w in zip(linears, originals):
-            lin.weight.data = w
+        for lin in linears:
+            if isinstance(lin, HeldLinear):
+                lin.substitute = None
+            else:
+                lin.weight.data = originals[lin]
     return best_s, best
 
 

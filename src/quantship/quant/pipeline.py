@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -240,16 +241,18 @@ def _quantize_weights(weights: _DenseWeights, schemes: dict[str, Scheme], opts: 
 
 class _DenseWeights(Mapping):
     """name → float32 weight of a layer's Linears, made when read: held experts (models/held.py) are
-    widened one at a time as the rounding or a GPTQ batch asks, never all at once. `given` weights
-    (AWQ's clipped ones) are returned as they are."""
+    widened one at a time as the rounding or a GPTQ batch asks, never all at once. `transform(name, w)`
+    (AWQ's clipping) is applied on each read, so its results are not all alive at once either."""
 
-    def __init__(self, layer: nn.Module, names: list[str], given: dict[str, torch.Tensor] | None = None):
-        self.layer, self.names, self.known, self.given = layer, list(names), set(names), given or {}
+    def __init__(self, layer: nn.Module, names: list[str],
+                 transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+        self.layer, self.names, self.known, self.transform = layer, list(names), set(names), transform
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.known:
             raise KeyError(name)
-        return self.given[name] if name in self.given else float32_weight(self.layer.get_submodule(name))
+        weight = float32_weight(self.layer.get_submodule(name))
+        return weight if self.transform is None else self.transform(name, weight)
 
     def __iter__(self):
         return iter(self.names)
@@ -258,23 +261,24 @@ class _DenseWeights(Mapping):
         return len(self.names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple((self.given[name] if name in self.given else self.layer.get_submodule(name).weight).shape)
+        return tuple(self.layer.get_submodule(name).weight.shape)
 
 
-def _held_experts(prefix: str, chosen: dict[str, Scheme], opts: QuantizeOptions) -> Callable[[str], bool] | None:
-    """Which Linears of a layer stay as the checkpoint stores them on the device: the routed experts
-    this run quantizes, unless AWQ (its search rescales weights in place, in float32)."""
-    if METHODS[opts.method].awq:
-        return None
+def _held_experts(prefix: str, chosen: dict[str, Scheme]) -> Callable[[str], bool] | None:
+    """Which Linears of a layer stay on the device as the checkpoint stores them: the routed experts this
+    run quantizes (AWQ's scales are folded into them as they are widened)."""
     return lambda name: _EXPERT.match(name + ".") is not None and prefix + name in chosen
 
 
-def _clip(weight: torch.Tensor, sample, scheme: Scheme, min_tokens: int) -> torch.Tensor:
+def _clip(routed: dict, schemes: dict[str, Scheme], searched: dict, min_tokens: int, name: str,
+          weight: torch.Tensor) -> torch.Tensor:
+    """AWQ's clipping of one searched Linear's weight on its kept calibration rows (others as they are)."""
     from quantship.quant.clip import clip_weight
 
-    if sample.tokens < min_tokens:
-        return weight  # too few routed tokens to choose a clip on: keep the full range
-    return clip_weight(weight, sample.rows(), scheme.weights)[0]
+    sample = routed[name] if name in searched else None
+    if sample is None or sample.tokens < min_tokens:
+        return weight  # not searched, or too few routed tokens to choose a clip on: keep the full range
+    return clip_weight(weight, sample.rows(), schemes[name].weights)[0]
 
 
 def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype: torch.dtype) -> None:
@@ -369,10 +373,8 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
         else:
             stats = collect_stats(layer, hidden, positions, want_hessian=method.gptq, keep_rows=method.kept_rows,
                                   experts=group, others=number == 0)
-        weights = _DenseWeights(layer, names)
-        if method.awq:
-            weights = _DenseWeights(layer, names, {n: _clip(weights[n], stats.routed[n], schemes[n],
-                                                            opts.min_expert_tokens) for n in names if n in searched})
+        clip = partial(_clip, stats.routed, schemes, searched, opts.min_expert_tokens) if method.awq else None
+        weights = _DenseWeights(layer, names, clip)
         quantized.update(_quantize_weights(weights, {n: schemes[n] for n in names}, opts, stats, fallbacks, workers))
         expert_tokens += stats.expert_tokens
         del stats, weights  # this group's Hessians
@@ -504,7 +506,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
     progress("quantize", ck.config.num_hidden_layers, run.next_layer)
     for index in range(run.next_layer, ck.config.num_hidden_layers):
-        layer = ck.layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen, opts))
+        layer = ck.layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen))
         done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype,
                                workers)
         if done["expert_tokens"]:
@@ -523,7 +525,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         if opts.mtp == "keep":
             M.copy_layer(ck, index, writer)
         else:
-            layer = ck.mtp_layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen, opts))
+            layer = ck.mtp_layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen))
             mtp_hidden = None
             if calibrated:
                 norm = ck.tensor("model.norm.weight")  # the MTP layer reads the main model's normed output
@@ -575,7 +577,7 @@ def _memory_plan(ck: Checkpoint, opts: QuantizeOptions, device: torch.device, to
     _held_experts)."""
     c = ck.config
     offloaded = device.type == "cuda" and _activation_store(device, tokens, c.hidden_size).type == "cpu"
-    held = bool(c.n_routed_experts) and ck.quantized is None and _held_experts("", {}, opts) is not None
+    held = bool(c.n_routed_experts) and ck.quantized is None and _held_experts("", {}) is not None
     plan = {"activations": "none" if not tokens else "host" if offloaded else "device",
             "activation_bytes": tokens * c.hidden_size * 4, "expert_groups": 1,
             "routed_experts": ("fp8 blocks" if ck.fp8_source else "as stored") if held else "float32"}
