@@ -1,7 +1,7 @@
 """Peak host memory of quantizing synthetic multi-shard checkpoints on CPU, one layer at a time.
 
 Uses loader_memory.py's DeepSeek-V3-shaped checkpoint (random bf16) at 4 and 16 layers (about 0.3
-and 0.9 GB) and quantizes each W4A16 with RTN and GPTQ in fresh processes, measuring peak RSS
+and 0.9 GB) and quantizes each W4A16 with RTN, GPTQ and AWQ in fresh processes, measuring peak RSS
 (VmHWM) above a baseline taken after the imports. Streaming shows as a peak that does not grow
 with the number of layers. The floor is what the pipeline must hold: the largest decoder layer in
 float32 plus a layer's input and output activations in float32.
@@ -26,6 +26,7 @@ from quantship.models.bundled import TINY_DIR  # noqa: E402
 from _report import table, update_section, write_result  # noqa: E402
 
 SAMPLES, SEQ_LEN = 16, 256
+METHODS = ("rtn", "gptq", "awq")
 
 PROBE = r"""
 import json, sys
@@ -51,7 +52,7 @@ def main() -> None:
             sizes = write_checkpoint(model, layers)
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 shutil.copy(TINY_DIR / name, model / name)
-            for method in ("rtn", "gptq"):
+            for method in METHODS:
                 proc = subprocess.run([sys.executable, "-c", PROBE, str(model), str(Path(tmp) / f"out-{method}"),
                                        method], capture_output=True, text=True, check=True)
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -63,12 +64,12 @@ def main() -> None:
                                                        "floor_bytes": floor}
                 rows.append([method.upper(), layers, f"{total / mb:.0f}", f"{peak / mb:.0f}", f"{floor / mb:.0f}",
                              f"{peak / total:.2f}"])
-    for method in ("rtn", "gptq"):
+    for method in METHODS:
         small, large = result[f"{method}_4_layers"], result[f"{method}_16_layers"]
         result[f"{method}_peak_growth_4_to_16_layers"] = large["peak_bytes"] / small["peak_bytes"]
         result[f"{method}_checkpoint_growth"] = large["checkpoint_bytes"] / small["checkpoint_bytes"]
     write_result("quantize_memory", result)
-    growth = ", ".join(f"{m.upper()} x{result[f'{m}_peak_growth_4_to_16_layers']:.2f}" for m in ("rtn", "gptq"))
+    growth = ", ".join(f"{m.upper()} x{result[f'{m}_peak_growth_4_to_16_layers']:.2f}" for m in METHODS)
     update_section("quantize_memory", "## Quantization: peak host memory\n\n"
         "`benchmarks/quantize_memory.py`: W4A16 on CPU of synthetic DeepSeek-V3-shaped checkpoints (16 experts) with 4 "
         f"and 16 layers, {SAMPLES} x {SEQ_LEN} calibration tokens; peak RSS above a baseline taken after the imports, "
