@@ -37,6 +37,24 @@ def test_warm_up_leaves_no_trace():
     assert engine.stats().prompt_tokens == 37 and engine.first_token_at is not None
 
 
+def test_loading_and_serving_a_model_imports_no_compiler():
+    """torch._dynamo takes 2.5-4.5 s to import; a plain load (its meta-device skeleton included), a
+    warm-up and a request on CPU must not pull it in."""
+    code = ("import sys, torch\n"
+            "from quantship.engine.engine import load_engine\n"
+            "from quantship.engine.sampling_params import SamplingParams\n"
+            "from quantship.models.bundled import TINY_DIR\n"
+            "engine = load_engine(TINY_DIR)\n"
+            "engine.warm_up()\n"
+            "engine.add_request('a', [3, 4, 5], SamplingParams(max_tokens=2))\n"
+            "while engine.has_unfinished():\n"
+            "    engine.step()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_clock_phases_add_up():
     age = process_age()
     assert age is not None and 0 < age < time.monotonic()

@@ -8,7 +8,7 @@ from torch import nn
 
 from quantship.models.config import LLAMA, QWEN2, QWEN3, ModelConfig
 from quantship.models.deepseek import deepseek_layer
-from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm
+from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm, embedding
 from quantship.models.llama import llama_layer
 from quantship.models.qwen import qwen_layer
 
@@ -23,7 +23,7 @@ def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer] | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         if layers is None:
             layers = [build_layer(config, i) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)

@@ -19,6 +19,15 @@ def use_fused_ops(x: torch.Tensor) -> bool:
     return on_gpu_kernel(x) and not torch.is_grad_enabled()
 
 
+def embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """nn.Embedding, without its random init when built on the meta device (the loader's skeleton):
+    there, normal_ runs through torch's Python reference ops, whose first use imports torch._dynamo,
+    2.5-4.5 s of every process that loads a model."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+    return nn.Embedding(vocab_size, hidden_size)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()

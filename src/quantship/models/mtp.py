@@ -13,7 +13,7 @@ from torch import nn
 
 from quantship.models.config import ModelConfig
 from quantship.models.deepseek import deepseek_layer
-from quantship.models.layers import DecoderLayer, RMSNorm
+from quantship.models.layers import DecoderLayer, RMSNorm, embedding
 
 
 class SharedHead(nn.Module):
@@ -30,7 +30,7 @@ class MTPLayer(DecoderLayer):
         block = deepseek_layer(config, index)
         super().__init__(config, block.self_attn, block.mlp)
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size)
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
