@@ -138,3 +138,17 @@ def test_clipping_in_row_chunks_equals_one_pass():
         chunked, chunked_ratio = clip_weight(weight, x, args, chunk_bytes=4 * 64 * (256 // args.group_width(256)) * 5)
         torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
         assert abs(chunked_ratio - ratio) < 1e-6 and ratio < 1.0  # and some group was clipped
+
+
+def test_clipping_rows_kept_from_calibration_do_not_hold_the_batches():
+    """The rows AWQ keeps for clipping are copies: a view of each batch's input would keep every batch of
+    every Linear's input alive until the layer is done."""
+    from quantship.quant.calibrate import InputStats
+
+    stats = InputStats(keep=12, stride=16)
+    for _ in range(3):
+        stats.add(torch.randn(2, 32, 64), want_hessian=False)
+    rows = stats.rows()
+    assert rows.shape == (12, 64)
+    # Each kept piece owns exactly its rows' bytes, not the [64, 64] batch it came from.
+    assert [t.untyped_storage().nbytes() for t in stats.sample] == [4 * 64 * 4] * 3

@@ -50,7 +50,9 @@ class InputStats:
         x = x.reshape(-1, x.shape[-1]).float()
         kept = sum(len(t) for t in self.sample)
         if self.keep > kept:
-            self.sample.append(x[:: self.stride][: self.keep - kept])
+            # A copy: a slice is a view that would keep the whole batch's input alive (every Linear's,
+            # for every batch: 24 GB on an H200 for DeepSeek-Coder-6.7B at 128 x 2048 tokens).
+            self.sample.append(x[:: self.stride][: self.keep - kept].clone())
         self.tokens += x.shape[0]
         sq = (x * x).sum(0)
         self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
