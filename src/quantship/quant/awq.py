@@ -85,10 +85,11 @@ def _fold(group: BalanceGroup, s: torch.Tensor) -> None:
     s = s.to(group.prev.weight.device, torch.float32)
     if isinstance(group.prev, nn.Linear):
         rows = slice(None) if group.rows is None else group.rows.to(s.device)
-        if isinstance(group.prev, HeldLinear):
+        tensors = [group.prev.weight, group.prev.bias]
+        if isinstance(group.prev, HeldLinear):  # an expert's up_proj: every row feeds its down_proj
             assert group.rows is None, "a held Linear folds whole rows"
             group.prev.divide_rows(s)
-        tensors = [group.prev.bias] if isinstance(group.prev, HeldLinear) else [group.prev.weight, group.prev.bias]
+            tensors = [group.prev.bias]
         for t in tensors:
             if t is not None:
                 shape = (-1,) + (1,) * (t.dim() - 1)
