@@ -120,3 +120,21 @@ def test_packed_linear_on_cuda_matches_reference_for_every_batch_size(symmetric)
                                           2048, 128)
         error = (layer(x).float() - expected).norm() / expected.norm()
         assert error < 1e-2, (m, error.item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128, 96])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cpu_dequantize_is_the_quantized_tensors_own(bits, group, symmetric):
+    """The CPU forward of a packed Linear multiplies by exactly the weight the quantizer made (scales
+    broadcast over each group's rows, for every group size a packed Linear takes)."""
+    from quantship.quant.rtn import rtn_quantize
+    from quantship.quantized_tensor import WeightQuant
+
+    k = 288 if group == 96 else 256
+    q = rtn_quantize(torch.randn(40, k, generator=torch.Generator().manual_seed(bits + group)) * 0.02,
+                     WeightQuant(num_bits=bits, group_size=group, symmetric=symmetric, strategy="group"))
+    packed = wna16.pack(q.values, bits)
+    zero = None if q.zero_point is None else q.zero_point.to(torch.int8).t().contiguous()
+    weight = wna16.dequantize(packed, q.scale.t().contiguous(), zero, bits, k, group)
+    assert torch.equal(weight, q.dequantize().float())

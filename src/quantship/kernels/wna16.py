@@ -68,6 +68,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
     unsigned = ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)).reshape(-1, packed.shape[1])
     weight = unsigned[:in_features].float() - (1 << (bits - 1))
+    if in_features % group_size == 0:  # scales broadcast over each group's rows: no [K, N] copy of them
+        grouped = weight.view(-1, group_size, weight.shape[1])
+        if zero is not None:
+            grouped -= zero.float()[:, None, :]
+        grouped *= scale.float()[:, None, :]
+        return weight.to(dtype).t()
     if zero is not None:
         weight -= zero.float().repeat_interleave(group_size, dim=0)[:in_features]
     weight *= scale.float().repeat_interleave(group_size, dim=0)[:in_features]
