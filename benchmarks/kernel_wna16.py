@@ -29,6 +29,7 @@ SHAPES = {"q/o_proj 4096x4096": (4096, 4096), "gate/up 11008x4096": (11008, 4096
           "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096)}  # (out N, in K)
 MS = [1, 4, 16, 64, 256, 2048]
 SWEEP_SHAPES = ("q/o_proj 4096x4096", "down 4096x11008")  # one of each K: enough to rank tile shapes
+SWEEP_MS = (1, 16, 64)
 GROUP = 128
 
 
@@ -101,17 +102,24 @@ def check(weights, bits: int, k: int) -> float:
 
 
 def candidates(m: int):
-    """Tile shapes worth timing for this M: the decode GEMV, the tensor-core tile, dequantize + cuBLAS."""
+    """Tile shapes worth timing for this M: the decode GEMV (one K tile per program, or a few pipelined),
+    the small tensor-core tile (which keeps each word tile in registers) with up to 64 rows, the older
+    tile, dequantize + cuBLAS."""
     from quantship.kernels.wna16 import Blocks
 
     out = []
-    if m <= 16:
-        out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (64, 128, 256) for bk in (64, 128) for warps in (1, 2)]
-        out += [Blocks("small_dot", 16, bn, bk, split, warps, 1) for bn in (128, 256) for bk in (128, 256)
-                for split in (4, 8) for warps in (4, 8)]
-    for bm in ((16,) if m <= 16 else (64,) if m <= 64 else (64, 128)):
-        out += [Blocks("dot", bm, bn, bk, split, warps, 3) for bn in (64, 128) for bk in (64, 128)
-                for split in ((0, 1) if m <= 64 else (1,)) for warps in (4, 8)]
+    if m == 1:
+        for bn in (128, 256):
+            for bk in (64, 128):
+                out += [Blocks("gemv", 1, bn, bk, split, warps, stages) for split, warps, stages in
+                        ((-1, 1, 1), (-1, 2, 1), (16, 1, 2), (16, 2, 3), (32, 1, 2), (32, 2, 3), (8, 4, 3))]
+        return out
+    for bm in ((16,) if m <= 16 else (32, 64)):
+        out += [Blocks("small_dot", bm, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
+                for split in ((4, 8) if m <= 16 else (1, 2, 4)) for warps in (4, 8)
+                for stages in ((1, 3) if m <= 16 else (1,))]
+    out += [Blocks("dot", 64, bn, bk, split, warps, 3) for bn in (64, 128) for bk in (64, 128)
+            for split in (0, 1) for warps in (4, 8)]
     if m >= 64:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
@@ -161,7 +169,7 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tup
         row["copy_fraction_w4"] = row["w4a16_gbs"] * 1e9 / bandwidth
         rows.append(row)
         print({key: (f"{v:.3g}" if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
-        if sweep and m <= 256 and label in SWEEP_SHAPES:
+        if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
             for blocks in candidates(m):
                 try:
                     t = graph_time(lambda i: wna16.matmul(x, *w4[i], 4, k, GROUP, blocks=blocks), len(w4), replays=3)
@@ -219,8 +227,11 @@ def render() -> None:
                    rows), "",
              "Triton columns are what `kernels.wna16.matmul` picks by M: the CUDA-core GEMV up to 8 rows (one "
              "K tile of 64 per program, one warp, partial sums added atomically: the many-small-programs shape "
-             "GemLite calls reverse split-K), the small tensor-core tile up to 16, the older tile up to 64. At "
-             "M = 1 the GEMV reads 1.1-1.4 TB/s (its predecessor 0.4-0.5) and tinygemm 1.2-1.6; at M = 4 tinygemm "
+             "GemLite calls reverse split-K), the small tensor-core tile up to 16, the older tile up to 64. Where "
+             "a tile lies inside one quantization group the GEMV loads that group's scale row once per tile "
+             "instead of per word row: W8A16 at M = 1 went from 1.2-1.45 TB/s (previous run) to 1.7-2.2; the "
+             "W4A16 GEMV read 1.0-1.3 TB/s, 5-12% below the previous run's 1.05-1.43 (not on the int4 bf16 "
+             "path, which is tinygemm's). At M = 1 tinygemm reads 1.2-1.6 TB/s; at M = 4 tinygemm "
              "keeps its lead (the GEMV runs a program per row); at M = 16 the small tile reads 0.6-0.75 TB/s against "
              "tinygemm's 0.4-0.44. So PackedLinear sends int4 bf16 decode up to 8 rows to tinygemm and the rest "
              "to these tiles. All of them are slower than bf16 cuBLAS per call from M = 16 on, and at M = 1 they "

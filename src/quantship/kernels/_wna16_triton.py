@@ -70,26 +70,47 @@ def _word_values(src, i: tl.constexpr, base, BITS: tl.constexpr, HAS_ZERO: tl.co
 
 
 @triton.jit
+def _words(w_ptr, rows, offs_n, word_rows, N):
+    """Words [R, BN] of word rows `rows` and their upper halves (0 where out of range)."""
+    ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
+    # Weights are read once: evict them first so x and the scales stay in L2.
+    w = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=ok, other=0, eviction_policy="evict_first")
+    return w, w >> 16
+
+
+@triton.jit
 def _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
                HAS_ZERO: tl.constexpr):
     """Words [R, BN] of word rows `rows`, their upper halves, and each word's scale and offset base
     (gathered per word row, so a tile may span groups)."""
     PER_WORD: tl.constexpr = 32 // BITS
+    w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
     ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
-    # Weights are read once: evict them first so x and the scales stay in L2.
-    w = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=ok, other=0, eviction_policy="evict_first")
     meta = (rows * PER_WORD // group_size)[:, None] * N + offs_n[None, :]
     scale = tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
     base = scale
     if HAS_ZERO:
         base = tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32) + (1 << (BITS - 1))
-    return w, w >> 16, scale, base
+    return w, hi, scale, base
+
+
+@triton.jit
+def _group_scale(s_ptr, z_ptr, group, offs_n, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """One group's scale and offset base as [1, BN] (the tile lies inside the group)."""
+    ok = offs_n < N
+    scale = tl.load(s_ptr + group * N + offs_n, mask=ok, other=0.0).to(tl.float32)[None, :]
+    base = scale
+    if HAS_ZERO:
+        base = tl.load(z_ptr + group * N + offs_n, mask=ok, other=0).to(tl.float32)[None, :] + (1 << (BITS - 1))
+    return scale, base
 
 
 @triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
+    sums; else one group's scale row is loaded per tile and multiplies the tile's column sums."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     pid_n = tl.program_id(0)
@@ -98,20 +119,34 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
     word_rows = tl.cdiv(K, PER_WORD)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if SPANS:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, group_size,
-                                        BITS, HAS_ZERO)
+        rows = k0 // PER_WORD + r
+        if SPANS:
+            w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS,
+                                            HAS_ZERO)
+        else:
+            w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
+            scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
         part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(PER_WORD):
             k = k0 + r * PER_WORD + i
             x = tl.load(x_ptr + row_m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
             x = x * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
             part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * x[:, None]
-        acc += part * scale
-    y = tl.sum(acc, axis=0)
+        if SPANS:
+            acc += part * scale
+        else:
+            acc += tl.sum(part, axis=0) * tl.sum(scale, axis=0)  # scale is [1, BN]: the sum is the row
+    if SPANS:
+        y = tl.sum(acc, axis=0)
+    else:
+        y = acc
     y_ptrs = y_ptr + row_m * N + offs_n
     if ATOMIC:
         tl.atomic_add(y_ptrs, y, mask=offs_n < N, sem="relaxed")
@@ -120,43 +155,57 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
 
 
 @triton.jit
+def packed_tile_dot(a_rows, a_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BN] float32: rows of x (`a_rows`: a pointer to each row's start, `a_ok` its mask) times
+    input rows k0 .. k0 + BLOCK_K of the packed weight, on tensor cores. The word tile is loaded once
+    and gives one product per value position i (x's columns r*P + i against values i of the tile's
+    word rows), so it is never reshaped. SPANS: the tile spans groups and the scales multiply the
+    values; else one group's scale row multiplies the product."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    r = tl.arange(0, ROWS)
+    rows = k0 // PER_WORD + r
+    if SPANS:
+        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, tl.cdiv(K, PER_WORD), N, group_size,
+                                        BITS, HAS_ZERO)
+    else:
+        w, hi = _words(w_ptr, rows, offs_n, tl.cdiv(K, PER_WORD), N)
+        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in tl.static_range(PER_WORD):
+        k = k0 + r * PER_WORD + i
+        x = tl.load(a_rows[:, None] + k[None, :], mask=a_ok[:, None] & (k[None, :] < K), other=0.0)
+        x = (x.to(tl.float32) * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))).to(a_rows.dtype.element_ty)
+        v = _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+        if SPANS:
+            v = v * scale
+        part = tl.dot(x, v.to(a_rows.dtype.element_ty), part, out_dtype=tl.float32)
+    if not SPANS:
+        part = part * scale
+    return part
+
+
+@triton.jit
 def wna16_small_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
                            BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tensor cores for a few rows of x: each word tile is loaded once and gives one product per value
-    position i (x's columns r*P + i against values i of the tile's word rows), so the tile is never
-    reshaped. SPANS: the tile spans groups and the scales multiply the values, else the products."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    """Tensor cores for a few rows of x, one packed_tile_dot per K tile."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m[:, None] < M
-    r = tl.arange(0, ROWS)
-    word_rows = tl.cdiv(K, PER_WORD)
+    m_ok = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, offs_n, word_rows, N, group_size,
-                                        BITS, HAS_ZERO)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in tl.static_range(PER_WORD):
-            k = k0 + r * PER_WORD + i
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok & (k[None, :] < K), other=0.0)
-            x = (x.to(tl.float32) * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))).to(x_ptr.dtype.element_ty)
-            v = _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
-            if SPANS:
-                v = v * scale
-            part = tl.dot(x, v.to(x_ptr.dtype.element_ty), part, out_dtype=tl.float32)
-        if SPANS:
-            acc += part
-        else:
-            acc += part * tl.max(scale, axis=0)[None, :]  # one group: every row of `scale` is the same
+        acc += packed_tile_dot(x_ptr + offs_m * stride_xm, m_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size,
+                               BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
     y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-    mask = m_ok & (offs_n[None, :] < N)
+    mask = m_ok[:, None] & (offs_n[None, :] < N)
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
     else:

@@ -206,11 +206,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
                   BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     grid = (triton.cdiv(n, blocks.block_n), rows, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, m, n, k, x2.stride(0), group_size, per_split)
+    # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
+    spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
-        kernels.wna16_gemv_kernel[grid](*args, **common)
+        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, **common)
     elif blocks.kind == "small_dot":
-        # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
-        spans = group_size < k and group_size % block_k != 0
         kernels.wna16_small_dot_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m, **common)
     else:
         kernels.wna16_dot_kernel[grid](*args, BLOCK_M=blocks.block_m, **common)
