@@ -456,6 +456,30 @@ def anatomy_note() -> list[str]:
             "5% or less: what is left is inside the graph, in the weight kernels.", ""]
 
 
+def quick_rerun_note(suffix: str) -> list[str]:
+    """The quick re-runs of a shape's W4A16 / bf16 decode (engine_throughput.py quick), as a small table."""
+    runs = {"fused MoE decode tile (current)": RESULTS / f"engine_quick_gpu{suffix}.json",
+            "before it (old MoE tile)": RESULTS / f"engine_quick_gpu{suffix}_old_moe_tile.json"}
+    rows = []
+    for label, path in runs.items():
+        if not path.exists():
+            continue
+        for x in json.loads(path.read_text()):
+            if "batch" in x:
+                rows.append([label, x["batch"], f"{x['w4a16_tok_s']:.1f}", f"{x['bf16_tok_s']:.1f}",
+                             f"{x['w4a16_tok_s'] / x['bf16_tok_s']:.2f}x"])
+            else:
+                rows.append([label, "TTFT 2048", f"{x['ttft']['w4a16']['ours_s'] * 1e3:.1f} ms",
+                             f"{x['ttft']['bf16']['ours_s'] * 1e3:.1f} ms",
+                             f"{x['ttft']['bf16']['ours_s'] / x['ttft']['w4a16']['ours_s']:.2f}x"])
+    if not rows:
+        return []
+    return ["Re-measured with the kv_b_proj fix (`engine_throughput.py quick --shape v2-lite --layers 8`, one run "
+            "per line, W4A16 and bf16 alternating in each; the current line is after the fused MoE kernels took "
+            "the per-value-position tile product for decode blocks):", "",
+            table(["code", "batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16"], rows), ""]
+
+
 def render() -> None:
     parts = ["## Serving engine: throughput and cache size", "",
              "Output tokens per second for N requests arriving together (equal prompt lengths, EOS ignored), "
@@ -500,6 +524,7 @@ def render() -> None:
             parts += anatomy_note()
         if gpu and "w4a16" in r:
             parts += w4a16_section(r, f"{r['model']} shape{layers}")
+            parts += quick_rerun_note(suffix) if suffix else []
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
               "per-head keys and values.", "", kv_table()]
     update_section("engine_throughput", "\n".join(parts))

@@ -44,8 +44,9 @@ def dense_experts(experts, out, inp, g):
 def packed_experts(experts, out, inp, g, bits, group, symmetric):
     qmax = 1 << (bits - 1)
     values = torch.randint(-qmax, qmax, (experts, out, inp), generator=g, dtype=torch.int8)
-    scale = torch.rand(experts, inp // group, out, generator=g) * 0.02 / inp**0.5 * 8
-    zero = None if symmetric else torch.randint(-qmax, qmax, (experts, inp // group, out), generator=g,
+    groups = -(-inp // group)  # a group longer than the input: one (per-channel)
+    scale = torch.rand(experts, groups, out, generator=g) * 0.02 / inp**0.5 * 8
+    zero = None if symmetric else torch.randint(-qmax, qmax, (experts, groups, out), generator=g,
                                                 dtype=torch.int8)
     packed = torch.stack([wna16.pack(v, bits) for v in values])
     return ExpertWeights(packed.to(DEVICE), inp, scale.to(DEVICE), None if zero is None else zero.to(DEVICE), bits,
@@ -56,6 +57,10 @@ CASES = [  # (n, experts, top_k, hidden, inter, quantization)
     (1, 8, 2, 64, 32, None), (6, 8, 3, 96, 48, None), (33, 4, 2, 64, 80, None), (260, 4, 2, 32, 16, None),
     (3, 8, 2, 128, 64, (4, 64, True)), (20, 4, 2, 128, 128, (4, 64, False)), (5, 4, 3, 128, 64, (8, 64, True)),
     (4, 8, 2, 256, 128, (8, 128, True)),  # groups longer than a tile
+    (3, 8, 2, 256, 96, (4, 32, False)),  # W4 tiles of 128 span groups of 32: scales gathered per word row
+    (2, 4, 2, 96, 48, (4, 96, True)),  # per-channel, K shorter than one W4 tile
+    (140, 4, 2, 128, 64, (4, 32, False)),  # prefill blocks of 64 rows: whole dequantized tiles spanning groups
+    (140, 4, 2, 256, 128, (4, 128, False)),  # prefill blocks, tiles inside groups: one scale row per tile
 ]
 
 

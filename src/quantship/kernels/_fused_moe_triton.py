@@ -3,41 +3,71 @@
 import triton
 import triton.language as tl
 
-from quantship.kernels._wna16_triton import _to_float
+from quantship.kernels._wna16_triton import _group_scale, _tile_values_2d, packed_tile_dot
 
 
 @triton.jit
-def _expert_tile(w_ptr, s_ptr, z_ptr, expert, offs_k, offs_n, k0, K, N, group_size,
-                 BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
-    """[BK, BN] float32 tile of one expert's weight, transposed (input rows by output columns).
+def _dense_tile(w_ptr, expert, offs_k, offs_n, K, N):
+    """[BK, BN] float32 tile of one dense expert's weight [E, N, K], transposed (inputs by outputs)."""
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    return tl.load(w_ptr + expert * N * K + offs_n[None, :] * K + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+    """[BK, BN] float32 tile of one packed expert, dequantized whole. SPANS: the tile straddles groups
+    and scales are gathered per input row; else the group's scale row is loaded once."""
+    q = _tile_values_2d(w_ptr, offs_k, offs_n, tl.cdiv(K, 32 // BITS), N, BITS)
+    if SPANS:
+        ok = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        meta = (offs_k // group_size)[:, None] * N + offs_n[None, :]
+        offset = tl.zeros_like(q) + (1 << (BITS - 1))
+        if HAS_ZERO:
+            offset += tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32)
+        tile = (q - offset) * tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+    else:
+        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+        if not HAS_ZERO:
+            base = tl.zeros_like(scale) + (1 << (BITS - 1))
+        tile = (q - base) * scale
+    return tile
+
+
+@triton.jit
+def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size, BITS: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, over all of K.
 
     BITS 0: dense [E, N, K]. BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8
-    zero points), the tile inside one group, dequantized in registers."""
-    k_ok = offs_k < K
-    n_ok = offs_n < N
-    mask = k_ok[:, None] & n_ok[None, :]
-    if BITS == 0:  # a static branch: the packed arithmetic below is not even compiled for dense experts
-        tile = tl.load(w_ptr + expert * N * K + offs_n[None, :] * K + offs_k[:, None], mask=mask,
-                       other=0.0).to(tl.float32)
-    else:
-        rows = tl.cdiv(K, 32 // BITS)
-        words = tl.load(w_ptr + expert * rows * N + (offs_k[:, None] // (32 // BITS)) * N + offs_n[None, :],
-                        mask=mask, other=0)
-        q = _to_float((words >> ((offs_k[:, None] % (32 // BITS)) * BITS)) & ((1 << BITS) - 1))
-        groups = tl.cdiv(K, group_size)
-        group = k0 // group_size
-        scale = tl.load(s_ptr + (expert * groups + group) * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        offset = tl.zeros_like(scale) + (1 << (BITS - 1))
-        if HAS_ZERO:
-            offset += tl.load(z_ptr + (expert * groups + group) * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-        tile = (q - offset[None, :]) * scale[None, :]
-    return tile
+    zero points), through the packed tile product of the plain W4A16/W8A16 kernels."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    PER_WORD: tl.constexpr = 32 // BITS if BITS else 1
+    words = tl.cdiv(K, PER_WORD) * N
+    metas = tl.cdiv(K, group_size) * N
+    for k0 in range(0, K, BLOCK_K):
+        if BITS == 0:  # static branches: the packed arithmetic is not even compiled for dense experts
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+            acc += tl.dot(a, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N).to(a.dtype), out_dtype=tl.float32)
+        elif BLOCK_M <= 16:  # decode: each word loaded once, one small product per value position
+            acc += packed_tile_dot(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas,
+                                   z_ptr + expert * metas, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
+                                   BLOCK_M, BLOCK_N, BLOCK_K)
+        else:  # prefill: the tile dequantized whole, one deep product (measured faster for 64 rows)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+            tile = _packed_tile(w_ptr + expert * words, s_ptr + expert * metas, z_ptr + expert * metas, k0, offs_k,
+                                offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
+            acc += tl.dot(a, tile.to(a.dtype), out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, act_ptr,
                        sorted_ids_ptr, block_expert_ptr, num_slots, num_experts, H, I, TOP_K, group_size,
-                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots."""
     pid_m = tl.program_id(0)
@@ -48,18 +78,11 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
         valid = slot < num_slots
         token = tl.where(valid, slot // TOP_K, 0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + token[:, None] * H + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < H),
-                        other=0.0)
-            w_gate = _expert_tile(gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_k, offs_n, k0, H, I, group_size,
-                                  BITS, HAS_ZERO)
-            w_up = _expert_tile(up_ptr, up_s_ptr, up_z_ptr, e, offs_k, offs_n, k0, H, I, group_size,
-                                BITS, HAS_ZERO)
-            gate += tl.dot(a, w_gate.to(a.dtype), out_dtype=tl.float32)
-            up += tl.dot(a, w_up.to(a.dtype), out_dtype=tl.float32)
+        a_rows = x_ptr + token * H
+        gate = _expert_product(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size, BITS,
+                               HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+        up = _expert_product(a_rows, valid, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, BITS,
+                             HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
         act = gate * tl.sigmoid(gate) * up
         tl.store(act_ptr + slot[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=valid[:, None] & (offs_n[None, :] < I))
@@ -68,7 +91,7 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
 @triton.jit
 def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, num_slots,
                     num_experts, H, I, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -78,13 +101,8 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
         valid = slot < num_slots
         row = tl.where(valid, slot, 0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + row[:, None] * I + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < I),
-                        other=0.0)
-            w = _expert_tile(w_ptr, s_ptr, z_ptr, e, offs_k, offs_n, k0, I, H, group_size, BITS, HAS_ZERO)
-            acc += tl.dot(a, w.to(a.dtype), out_dtype=tl.float32)
+        acc = _expert_product(act_ptr + row * I, valid, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, BITS,
+                              HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
         acc *= tl.load(routing_ptr + row, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + slot[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & (offs_n[None, :] < H))

@@ -13,7 +13,8 @@ routing on the host every layer, which stops decode steps from being captured as
 
 Each projection of all experts is stacked once per layer (`ExpertWeights`): dense [E, out, in] as the
 checkpoint's [out, in] matrices, or W4A16/W8A16 packed [E, in/P, out] int32 with scales [E, G, out]
-(and zero points), the layout of kernels/wna16.py, dequantized in registers. Gate and up are
+(and zero points), the layout of kernels/wna16.py, dequantized in registers by the same tile
+product as the plain small tensor-core kernel (each word loaded once; tiles may span groups). Gate and up are
 separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
 loop the kernels must equal. The shapes follow vLLM's fused_moe (its sorted-token layout is the
 anchor); the code is ours.
@@ -66,7 +67,21 @@ def reference(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     return out
 
 
-BLOCK_N, BLOCK_K = 64, 64  # packed experts need groups that a BLOCK_K tile stays inside
+BLOCK_N, BLOCK_K = 64, 64
+
+
+DECODE_BLOCK_N = 64
+
+
+def packed_block_k(bits: int, block_m: int, block_k: int = BLOCK_K) -> int:
+    """K tile of packed experts in decode blocks: at least 16 word rows, the smallest tensor-core
+    product of the per-value-position tiles (128 int4 values)."""
+    return max(block_k, 16 * (32 // bits)) if bits and block_m <= 16 else block_k
+
+
+def _spans(w: ExpertWeights, block_k: int) -> bool:
+    """Whether a K tile may straddle quantization groups (then scales are gathered per word row)."""
+    return bool(w.bits) and w.group_size < w.in_features and w.group_size % block_k != 0
 
 
 def block_m_for(slots: int, num_experts: int) -> int:
@@ -101,7 +116,7 @@ def _pointers(w: ExpertWeights) -> tuple:
 
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
-              indices: torch.Tensor, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> torch.Tensor:
+              indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
     """The routed experts' output [N, H] in x's dtype, through the two Triton kernels."""
     import triton
 
@@ -115,12 +130,15 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     x = x.contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    k_gate, k_down = packed_block_k(gate.bits, block_m, block_k), packed_block_k(down.bits, block_m, block_k)
+    block_n = block_n or (DECODE_BLOCK_N if gate.bits and block_m <= 16 else BLOCK_N)
     moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, slots, num_experts, hidden, inter, top_k,
-        max(gate.group_size, 1), BITS=gate.bits, HAS_ZERO=gate.zero is not None, **tiles)
+        max(gate.group_size, 1), BITS=gate.bits, HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_gate),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_gate)
     out = torch.empty(slots, hidden, dtype=x.dtype, device=x.device)
     moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(), slots,
-        num_experts, hidden, inter, max(down.group_size, 1), BITS=down.bits, HAS_ZERO=down.zero is not None, **tiles)
+        num_experts, hidden, inter, max(down.group_size, 1), BITS=down.bits, HAS_ZERO=down.zero is not None,
+        SPANS=_spans(down, k_down), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
     return out.view(n, top_k, hidden).sum(1)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
-from quantship.kernels.fused_moe import BLOCK_K as FUSED_MOE_BLOCK_K, ExpertWeights, fused_moe
+from quantship.kernels.fused_moe import ExpertWeights, fused_moe
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
 from quantship.models.paged import PagedBatch, dense_weight
@@ -201,7 +201,8 @@ class MoE(nn.Module):
 
     def fusable(self) -> bool:
         """Whether the fused kernels take these experts: all plain bias-free Linears, or all packed
-        W4A16/W8A16 with one scheme for gate and up and one for down, in groups a K tile stays inside."""
+        W4A16/W8A16 with one scheme for gate and up and one for down (any group size: a K tile that
+        spans groups gathers its scales per word row)."""
         projections = [[getattr(e, name) for e in self.experts] for name in ("gate_proj", "up_proj", "down_proj")]
         linears = [m for group in projections for m in group]
         if all(type(m) is nn.Linear and m.bias is None for m in linears):
@@ -209,9 +210,7 @@ class MoE(nn.Module):
         if not all(isinstance(m, PackedLinear) and m.bias is None for m in linears):
             return False
         schemes = [{(m.bits, m.group_size, m.weight_zero_point is not None) for m in group} for group in projections]
-        if any(len(s) != 1 for s in schemes) or schemes[0] != schemes[1]:
-            return False
-        return all(m.group_size % FUSED_MOE_BLOCK_K == 0 for m in (projections[0][0], projections[2][0]))
+        return all(len(s) == 1 for s in schemes) and schemes[0] == schemes[1]
 
     def enable_fused_kernels(self) -> bool:
         """Stack the experts for the fused kernels (the serving engine calls this on CUDA). Each expert's
