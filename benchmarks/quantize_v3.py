@@ -211,9 +211,12 @@ def render(path: str) -> None:
         f"{r['seq_len']}-token calibration samples. Minutes per layer are medians over the layers of each kind; "
         "the projection multiplies them by 3 dense and 58 MoE layers + MTP, and assumes the disk reads the "
         f"full 671 GB at least as fast as this run read its shards (slowest method: {read_rate:.0f} MB/s "
-        "including compute). Peak host memory is each method's own process (ru_maxrss).\n\n"
+        "including compute). Peak host memory is each method's own process (ru_maxrss)."
+        + (f" {r['note']}" if r.get("note") else "") + " Fallbacks: the recipe's count of expert Linears (GPTQ) "
+        "or expert balance groups (AWQ) that saw fewer than --min-expert-tokens and borrowed the statistics of "
+        "every token the MoE saw.\n\n"
         + table(["method", "samples", "min / dense layer", "min / MoE layer", "hours, all of V3 (projected)",
-                 "peak GPU GiB", "peak host GiB", "experts with too few tokens"], rows))
+                 "peak GPU GiB", "peak host GiB", "fallbacks (recipe)"], rows))
 
 
 def main() -> None:
