@@ -34,7 +34,7 @@ from quantship.files import check_output_location, publish_directory, sha256_fil
 from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
 from quantship.models.bundled import TINY_DIR, resolve_model
 from quantship.models.causal_lm import CausalLM
-from quantship.models.held import float32_weight
+from quantship.models.held import HeldLinear, float32_weight
 from quantship.models.loader import Checkpoint
 from quantship.models.mtp import MTPLayer
 from quantship.models.quantized import runtime_linear
@@ -264,10 +264,15 @@ class _DenseWeights(Mapping):
         return tuple(self.layer.get_submodule(name).weight.shape)
 
 
-def _held_experts(prefix: str, chosen: dict[str, Scheme]) -> Callable[[str], bool] | None:
+def _held_experts(prefix: str, chosen: dict[str, Scheme]) -> Callable[[str], bool]:
     """Which Linears of a layer stay on the device as the checkpoint stores them: the routed experts this
     run quantizes (AWQ's scales are folded into them as they are widened)."""
     return lambda name: _EXPERT.match(name + ".") is not None and prefix + name in chosen
+
+
+def _count_held(layer: nn.Module, tallies: dict) -> None:
+    """Tally the Linears a loaded layer holds as stored: the recipe reports what the run did, not what it meant to."""
+    tallies["held_linears"] = tallies.get("held_linears", 0) + sum(isinstance(m, HeldLinear) for m in layer.modules())
 
 
 def _clip(routed: dict, schemes: dict[str, Scheme], searched: dict, min_tokens: int, name: str,
@@ -507,6 +512,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
     progress("quantize", ck.config.num_hidden_layers, run.next_layer)
     for index in range(run.next_layer, ck.config.num_hidden_layers):
         layer = ck.layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen))
+        _count_held(layer, tallies)
         done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype,
                                workers)
         if done["expert_tokens"]:
@@ -526,6 +532,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
             M.copy_layer(ck, index, writer)
         else:
             layer = ck.mtp_layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen))
+            _count_held(layer, tallies)
             mtp_hidden = None
             if calibrated:
                 norm = ck.tensor("model.norm.weight")  # the MTP layer reads the main model's normed output
@@ -571,13 +578,13 @@ def _write_config(ck: Checkpoint, tmp: Path, chosen: dict[str, Scheme], opts: Qu
             shutil.copy(ck.path / name, tmp / name)
 
 
-def _memory_plan(ck: Checkpoint, opts: QuantizeOptions, device: torch.device, tokens: int) -> dict:
+def _memory_plan(ck: Checkpoint, opts: QuantizeOptions, device: torch.device, tokens: int, held_linears: int) -> dict:
     """Where this run kept its calibration activations, in how many groups GPTQ solved each MoE layer's
     routed experts, and whether those stayed as stored (see _activation_store, _expert_groups and
-    _held_experts)."""
+    _held_experts; `held_linears` is how many Linears the loaded layers held as stored)."""
     c = ck.config
     offloaded = device.type == "cuda" and _activation_store(device, tokens, c.hidden_size).type == "cpu"
-    held = bool(c.n_routed_experts) and ck.quantized is None and _held_experts("", {}) is not None
+    held = held_linears > 0
     plan = {"activations": "none" if not tokens else "host" if offloaded else "device",
             "activation_bytes": tokens * c.hidden_size * 4, "expert_groups": 1,
             "routed_experts": ("fp8 blocks" if ck.fp8_source else "as stored") if held else "float32"}
@@ -616,7 +623,8 @@ def build_recipe(ck: Checkpoint, opts: QuantizeOptions, chosen: dict[str, Scheme
     if opts.plan is not None:
         recipe["plan"] = {n: s.name for n, s in chosen.items()}
     recipe["calibration"] = calibration
-    recipe["memory"] = _memory_plan(ck, opts, device, calibration["tokens"] if calibration else 0)
+    recipe["memory"] = _memory_plan(ck, opts, device, calibration["tokens"] if calibration else 0,
+                                    tallies.get("held_linears", 0))
     if resumed_from is not None:
         recipe["resumed_from_layer"] = resumed_from
     recipe["seconds"] = seconds
