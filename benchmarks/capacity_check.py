@@ -4,7 +4,8 @@ Here (CPU, bundled model): the engine is given an explicit memory budget (Engine
 what `--gpu-memory` means to the planner) and filled with sequences of each context length at once;
 the sequences it admits before it makes the next one wait must equal the planner's "seqs (engine)".
     .venv/bin/python benchmarks/capacity_check.py run --where cpu
-On the GPU machine (random weights of the real configs; one process per shape keeps runs apart):
+On the GPU machine (random weights of the real configs; one process per shape keeps runs apart;
+--expandable-segments runs the allocator without fixed segments, to tell fragmentation from the rest):
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --out $OUT
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --scheme W4A16 --out $OUT
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape v2-lite --out $OUT
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,6 +149,7 @@ def trial(model, context: int, n: int, batch_cap: int, budget_tokens: int) -> di
                               max_model_len=context, enable_prefix_caching=False, max_waiting=batch + 1)
         engine = LLMEngine(model, config)
         graphs = engine.runner.capture_graphs(batch, context)
+        after_capture = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
         residents = []
         for i in range(batch - 1):
             length = max(2, context - steps - 2)
@@ -158,8 +161,13 @@ def trial(model, context: int, n: int, batch_cap: int, budget_tokens: int) -> di
             engine.step()
         engine.step()  # the whole batch decodes at (nearly) the full context
         torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        # Where reserved-but-unallocated memory comes from: split blocks left inactive (fragmentation),
+        # allocations retried after freeing the cache, and what the graph pool held after capture.
         return {"n": n, "ok": True, "graphs": graphs, "peak_allocated": torch.cuda.max_memory_allocated(),
-                "peak_reserved": torch.cuda.max_memory_reserved(), "preemptions": engine.stats().num_preemptions}
+                "peak_reserved": torch.cuda.max_memory_reserved(), "preemptions": engine.stats().num_preemptions,
+                "after_capture": after_capture, "inactive_split_peak": stats.get("inactive_split_bytes.all.peak", 0),
+                "alloc_retries": stats.get("num_alloc_retries", 0), "segments_peak": stats.get("segment.all.peak", 0)}
     except torch.OutOfMemoryError as error:
         return {"n": n, "ok": False, "error": str(error).splitlines()[0][:300]}
     finally:
@@ -205,6 +213,8 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
     props = torch.cuda.get_device_properties(0)
     free_at_start, total = torch.cuda.mem_get_info()
     name = f"{shape}" + (f"-{scheme.lower()}" if scheme else "") + (f"-{'-'.join(map(str, contexts))}" if contexts else "")
+    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    name += "-expandable" if expandable else ""
     path = out / f"capacity_check_{name}.json"
     out.mkdir(parents=True, exist_ok=True)
     model, config = gpu_model(shape, scheme)
@@ -214,7 +224,8 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
         p = plan(Request(model=d, scheme=scheme, gpu="H200", contexts=contexts or GPU_CONTEXTS[shape]))
     result = {"where": "gpu", "shape": shape, "scheme": scheme or "BF16", "device": props.name,
               "torch": torch.__version__, "total_memory": props.total_memory, "free_at_start": free_at_start,
-              "cuda_total": total, "weights_allocated": weights_loaded, "plan": p.to_dict(), "rows": [], "trials": []}
+              "cuda_total": total, "weights_allocated": weights_loaded, "plan": p.to_dict(), "rows": [], "trials": [],
+              "expandable_segments": expandable}
     for row in p.rows:
         start = time.time()
         got = measured_oom(model, row.context, row.seqs_oom, 256, 512, result["trials"])
@@ -239,7 +250,8 @@ def render(paths: list[str]) -> None:
         else:
             for row in r["rows"]:
                 err = f"{100 * row['error']:+.1f}%" if row["error"] is not None else "-"
-                gpu_rows.append([r["shape"], r["scheme"], row["context"], row["predicted_oom"], row["measured_oom"], err])
+                scheme = r["scheme"] + (" (expandable segments)" if r.get("expandable_segments") else "")
+                gpu_rows.append([r["shape"], scheme, row["context"], row["predicted_oom"], row["measured_oom"], err])
     text = ["## Capacity planner against the engine", "",
             "`benchmarks/capacity_check.py`. `quantship capacity` predicts, per context length, how many sequences "
             "the engine's KV cache holds (its own sizing, engine/memory.py) and where a larger cache would run out "
@@ -280,6 +292,8 @@ def main() -> None:
     r.add_argument("--scheme", choices=["W4A16"], help="quantize the shape's Linears (RTN, group 128) first")
     r.add_argument("--contexts", type=lambda t: tuple(int(x) for x in t.split(",")))
     r.add_argument("--out", default="benchmarks/results")
+    r.add_argument("--expandable-segments", action="store_true",
+                   help="gpu: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)")
     g = sub.add_parser("render")
     g.add_argument("paths", nargs="+")
     args = ap.parse_args()
@@ -288,6 +302,8 @@ def main() -> None:
     elif args.where == "cpu":
         run_cpu(Path(args.out))
     else:
+        if args.expandable_segments:  # read when the CUDA allocator starts: before the first CUDA call
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         run_gpu(args.shape, args.scheme, Path(args.out), args.contexts)
 
 
