@@ -53,6 +53,15 @@ def packed_experts(experts, out, inp, g, bits, group, symmetric):
                          group)
 
 
+def layer_experts(experts, hidden, inter, quant, g):
+    """Gate, up and down of every expert: dense (quant None) or packed as quant = (bits, group, symmetric)."""
+    if quant is None:
+        return (dense_experts(experts, inter, hidden, g), dense_experts(experts, inter, hidden, g),
+                dense_experts(experts, hidden, inter, g))
+    return (packed_experts(experts, inter, hidden, g, *quant), packed_experts(experts, inter, hidden, g, *quant),
+            packed_experts(experts, hidden, inter, g, *quant))
+
+
 CASES = [  # (n, experts, top_k, hidden, inter, quantization)
     (1, 8, 2, 64, 32, None), (6, 8, 3, 96, 48, None), (33, 4, 2, 64, 80, None), (260, 4, 2, 32, 16, None),
     (3, 8, 2, 128, 64, (4, 64, True)), (20, 4, 2, 128, 128, (4, 64, False)), (5, 4, 3, 128, 64, (8, 64, True)),
@@ -68,13 +77,7 @@ CASES = [  # (n, experts, top_k, hidden, inter, quantization)
 def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quant):
     g = torch.Generator().manual_seed(hidden + n)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
-    if quant is None:
-        gate, up, down = (dense_experts(experts, inter, hidden, g), dense_experts(experts, inter, hidden, g),
-                          dense_experts(experts, hidden, inter, g))
-    else:
-        gate, up, down = (packed_experts(experts, inter, hidden, g, *quant),
-                          packed_experts(experts, inter, hidden, g, *quant),
-                          packed_experts(experts, hidden, inter, g, *quant))
+    gate, up, down = layer_experts(experts, hidden, inter, quant, g)
     weights, indices = routing(n, experts, top_k, seed=n + 1)
     expected = fused_moe.reference(x, gate, up, down, weights, indices)
     dtypes = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -86,6 +89,33 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
         assert out.dtype == dtype and out.shape == x.shape
         error = (out.float() - expected).norm() / expected.norm()
         assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, error.item())
+
+
+@pytest.mark.parametrize("quant,split_k", [((4, 32, False), (3, 2)), ((8, 64, True), (2, 3)), (None, (2, 3))])
+def test_split_k_adds_partial_sums_to_the_same_output(quant, split_k):
+    """Decode blocks may split K over programs (partial gate/up and down products added atomically in
+    float32, SiLU applied once all are in): the result is the expert loop's, as with one split."""
+    g = torch.Generator().manual_seed(7)
+    experts, hidden, inter, n, top_k = 8, 256, 384, 3, 2  # both launches get 2 or more K tiles to split
+    gate, up, down = layer_experts(experts, hidden, inter, quant, g)
+    x = torch.randn(n, hidden, generator=g).to(DEVICE)
+    weights, indices = routing(n, experts, top_k, seed=5)
+    expected = fused_moe.reference(x, gate, up, down, weights, indices)
+    out = fused_moe.fused_moe(x, gate, up, down, weights, indices, split_k=split_k)
+    assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 2e-2)
+
+
+def test_decode_split_follows_the_program_target(monkeypatch):
+    """The split is a static function of shapes (no host sync): off by default, and when a target is
+    set, enough programs for it over the experts a batch can reach, with at least 4 K tiles a split."""
+    g = torch.Generator().manual_seed(1)
+    w = packed_experts(8, 64, 4096, g, 4, 128, True)
+    assert fused_moe.splits(w, 16, 2, 4, 128) == 1
+    monkeypatch.setattr(fused_moe, "DECODE_PROGRAMS", 128)
+    assert fused_moe.splits(w, 16, 2, 4, 128) == 8  # 2 experts x 4 tiles: 16 splits wanted, K / (4 x 128) allows 8
+    assert fused_moe.splits(w, 16, 64, 4, 128) == 4  # at most 8 experts (all of them) x 4 tiles: 128 / 32
+    assert fused_moe.splits(w, 64, 2, 4, 128) == 1  # prefill blocks never split
+    assert fused_moe.splits(dense_experts(8, 64, 256, g), 16, 2, 4, 64) == 1  # dense experts neither
 
 
 @pytest.mark.parametrize("quantize", [False, True])
