@@ -6,6 +6,8 @@ On the GPU machine (DeepSeek-Coder-6.7B shape, random bf16 weights, plus the ban
     PYTHONPATH=src python3 benchmarks/engine_throughput.py run --where gpu --out $OUT
 DeepSeek-V2-Lite shape, 8 of its 27 layers (MLA + 64 routed experts through the fused MoE kernels):
     PYTHONPATH=src python3 benchmarks/engine_throughput.py run --where gpu --shape v2-lite --layers 8 --out $OUT
+Greedy agreement of the W4A16 kernels with the dequantize reference on the bundled trained model:
+    PYTHONPATH=src python3 benchmarks/engine_throughput.py agreement --out $OUT
 Then here: .venv/bin/python benchmarks/engine_throughput.py render
 
 Both sides generate the same number of tokens per request (EOS ignored) for a batch of equal-length
@@ -157,19 +159,23 @@ def read_bytes(total: int, routed: int, config, batch: int) -> float:
     return total - routed + routed * touched
 
 
-def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, steps: int = 512) -> dict:
+def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, steps: int = 512,
+                     ids: list[list[int]] | None = None) -> dict:
     """W4A16 through the kernels against the same weights through dequantize + F.linear, greedy.
 
     Generations are compared token by token up to the first divergence; then every step is checked
-    teacher-forced: the kernel path's top-1 at each position of the reference generation."""
+    teacher-forced: the kernel path's top-1 at each position of the reference generation. `ids`: the
+    prompts (default: `prompts` random ones of 16 tokens)."""
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
     from quantship.engine.sampling_params import SamplingParams
     from quantship.models.quantized import PackedLinear
 
-    ids = torch.randint(3, vocab, (prompts, 16)).tolist()
-    config = EngineConfig(max_num_seqs=prompts, max_num_batched_tokens=prompts * 16, max_model_len=16 + steps + 16,
-                          kv_cache_bytes=8 << 30)
+    ids = ids or torch.randint(3, vocab, (prompts, 16)).tolist()
+    prompts = len(ids)
+    longest = max(len(p) for p in ids)
+    config = EngineConfig(max_num_seqs=prompts, max_num_batched_tokens=prompts * longest,
+                          max_model_len=longest + steps + 16, kv_cache_bytes=8 << 30)
 
     def generate(model, use_kernel: bool) -> list[list[int]]:
         PackedLinear.use_kernel = use_kernel
@@ -188,12 +194,36 @@ def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, s
     agree = total = 0
     with torch.inference_mode():
         for prompt, gen in zip(ids, reference):
-            seq = torch.tensor([prompt + gen], device="cuda")
+            seq = torch.tensor([prompt + gen], device=next(fast.parameters()).device)
             top1 = fast(seq)[0, len(prompt) - 1:-1].argmax(-1).tolist()
             agree += sum(a == b for a, b in zip(top1, gen))
             total += len(gen)
     return {"prompts": prompts, "steps": steps, "identical_prefix_tokens": prefix,
             "teacher_forced_top1_agreement": agree / total}
+
+
+def agreement_on_bundled(out: Path, steps: int = 512, device: str = "cuda") -> dict:
+    """The greedy agreement of the W4A16 kernels with the dequantize reference on the bundled *trained*
+    model in bf16 (next-token distributions as peaked as a real model's, where random weights give near
+    ties), 8 prompts of 16 tokens from its held-out text. The bundled model is DeepSeek-V3-structured, so
+    this runs tinygemm / the Triton tiles, the fused MoE kernels and MLA's paged decode."""
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+    from quantship.models.tokenizer import load_tokenizer
+
+    model = load_model(TINY_DIR, torch.bfloat16, device)
+    w4 = quantized_copy(model)
+    text = load_tokenizer(TINY_DIR)((TINY_DIR / "eval.txt").read_text())["input_ids"]
+    stride = (len(text) - 16) // 8
+    ids = [text[i * stride:i * stride + 16] for i in range(8)]
+    with torch.inference_mode():
+        result = {"model": "bundled tiny DeepSeek-V3 (trained)",
+                  "device": torch.cuda.get_device_name() if device == "cuda" else device,
+                  **greedy_agreement(w4, w4, model.config.vocab_size, steps=steps, ids=ids)}
+    print(result, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "agreement_bundled_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def profile_decode(model, vocab: int) -> None:
@@ -525,6 +555,14 @@ def render() -> None:
         if gpu and "w4a16" in r:
             parts += w4a16_section(r, f"{r['model']} shape{layers}")
             parts += quick_rerun_note(suffix) if suffix else []
+    agreement = RESULTS / "agreement_bundled_gpu.json"
+    if agreement.exists():
+        a = json.loads(agreement.read_text())
+        parts += [f"Greedy agreement on a trained model ({a['model']}, bf16, {a['device']}; "
+                  "`engine_throughput.py agreement`): W4A16 through the kernels against the same weights through "
+                  f"dequantize + F.linear, {a['prompts']} prompts from its held-out text x {a['steps']} steps: "
+                  f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.1%}, identical prefixes "
+                  f"{a['identical_prefix_tokens']} tokens.", ""]
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
               "per-head keys and values.", "", kv_table()]
     update_section("engine_throughput", "\n".join(parts))
@@ -543,8 +581,12 @@ def main() -> None:
     q.add_argument("--out", type=Path, default=RESULTS)
     q.add_argument("--shape", default="coder-6.7b")
     q.add_argument("--layers", type=int)
+    a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
+    a.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    if args.cmd == "quick":
+    if args.cmd == "agreement":
+        agreement_on_bundled(args.out)
+    elif args.cmd == "quick":
         quick(args.out, args.shape, args.layers)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers)
