@@ -102,7 +102,8 @@ def check(weights, bits: int, k: int) -> float:
 
 
 def candidates(m: int):
-    """Tile shapes worth timing for this M: the decode GEMV (one K tile per program, or a few pipelined),
+    """Tile shapes worth timing for this M: the decode GEMV (one K tile per program, or a few pipelined;
+    and its two-values-per-instruction bf16x2 variant),
     the small tensor-core tile (which keeps each word tile in registers) with up to 64 rows, the older
     tile, dequantize + cuBLAS."""
     from quantship.kernels.wna16 import Blocks
@@ -113,6 +114,7 @@ def candidates(m: int):
             for bk in (64, 128):
                 out += [Blocks("gemv", 1, bn, bk, split, warps, stages) for split, warps, stages in
                         ((-1, 1, 1), (-1, 2, 1), (16, 1, 2), (16, 2, 3), (32, 1, 2), (32, 2, 3), (8, 4, 3))]
+                out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1) for warps in (1, 2)]
         return out
     for bm in ((16,) if m <= 16 else (32, 64)):
         out += [Blocks("small_dot", bm, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
@@ -170,8 +172,14 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tup
         rows.append(row)
         print({key: (f"{v:.3g}" if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
         if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
+            reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
             for blocks in candidates(m):
                 try:
+                    got = wna16.matmul(x, *w4[0], 4, k, GROUP, blocks=blocks).float()
+                    error = ((got - reference).norm() / reference.norm()).item()
+                    if not error < 1e-2:  # a fast wrong answer is no candidate
+                        print("wrong", blocks, error)
+                        continue
                     t = graph_time(lambda i: wna16.matmul(x, *w4[i], 4, k, GROUP, blocks=blocks), len(w4), replays=3)
                 except Exception as error:  # a tile shape that does not compile here (shared memory)
                     print("skip", blocks, type(error).__name__)

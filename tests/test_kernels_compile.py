@@ -33,6 +33,9 @@ for bits in (4, 8):
         compile(wna16.wna16_dot_kernel, matmul, dict(tiles, BLOCK_M=64))
         for spans in (False, True):
             compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans))
+            if bits == 4:  # its bf16x2 PTX goes through ptxas here: the interpreter cannot run it
+                compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
+                        {k: v for k, v in dict(tiles, SPANS=spans).items() if k != "BITS"})
             compile(wna16.wna16_small_dot_kernel, matmul, dict(tiles, BLOCK_M=16, BLOCK_K=256, SPANS=spans))
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
@@ -86,4 +89,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 62
+    assert done.stdout.count(" ok") == 66

@@ -88,6 +88,24 @@ def test_every_tile_shape_and_split_agrees(blocks):
     assert ((out - expected).norm() / expected.norm()) < 3e-3
 
 
+@pytest.mark.parametrize("group,symmetric,m,n,k,block_k", [(128, True, 1, 72, 1024, 64), (32, False, 3, 40, 160, 64),
+                                                             (64, False, 2, 56, 512, 128), (512, True, 1, 24, 512, 64)])
+def test_bf16x2_gemv_equals_the_reference(group, symmetric, m, n, k, block_k):
+    """The two-values-per-instruction GEMV (bf16x2 PTX, a sweep candidate): on a GPU within bf16's
+    rounding of the reference, for tiles inside and across groups, with and without zero points; where
+    it cannot run (CPU, the interpreter) the plain GEMV takes the call."""
+    values, scale, zero = random_quantized(n, k, 4, group, symmetric, seed=n + k)
+    packed = wna16.pack(values, 4).to(DEVICE)
+    scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
+    expected = wna16.reference_matmul(x, packed, scale, zero, 4, k, group)
+    out = wna16.matmul(x, packed, scale.to(dtype), zero, 4, k, group,
+                       blocks=wna16.Blocks("gemv_bf16x2", 1, 32, block_k, -1, 1, 1))
+    error = (out.float() - expected).norm() / expected.norm()
+    assert error < (1e-2 if DEVICE == "cuda" else 1e-5), error.item()
+
+
 def test_packed_linear_holds_packed_bytes_and_matches_the_unpacked_layer():
     values, scale, zero = random_quantized(64, 256, 4, 32, False, seed=1)
     bias = torch.randn(64)

@@ -10,6 +10,8 @@ Four shapes of the same arithmetic, chosen by M (rows of x):
 - wna16_dot_kernel (M up to 64): the tile is dequantized as [BK, BN] (words loaded per value from
   L1), then one tl.dot per K step.
 - dequantize_kernel (prefill): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
+- wna16_gemv_bf16x2_kernel: the int4 GEMV with bf16 x, two values per instruction through inline
+  bf16x2 PTX (GPU only); a candidate the kernel sweep times, not yet in the table.
 """
 
 import triton
@@ -106,6 +108,31 @@ def _group_scale(s_ptr, z_ptr, group, offs_n, N, BITS: tl.constexpr, HAS_ZERO: t
 
 
 @triton.jit
+def _add_scaled(acc, part, scale, SPANS: tl.constexpr):
+    """acc plus a tile's partial sums [R, BN] times their scales: per word row where the tile spans
+    groups (acc [R, BN]), else the column sums times the group's scale row [1, BN] (acc [BN])."""
+    if SPANS:
+        acc += part * scale
+    else:
+        acc += tl.sum(part, axis=0) * tl.sum(scale, axis=0)  # scale is [1, BN]: the sum is the row
+    return acc
+
+
+@triton.jit
+def _store_row(acc, y_ptr, row_m, N, offs_n, ATOMIC: tl.constexpr, SPANS: tl.constexpr):
+    """Row row_m of y from a GEMV's accumulator: added atomically when K is split, else stored."""
+    if SPANS:
+        y = tl.sum(acc, axis=0)
+    else:
+        y = acc
+    y_ptrs = y_ptr + row_m * N + offs_n
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, y, mask=offs_n < N, sem="relaxed")
+    else:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -139,19 +166,93 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
             x = tl.load(x_ptr + row_m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
             x = x * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
             part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * x[:, None]
-        if SPANS:
-            acc += part * scale
-        else:
-            acc += tl.sum(part, axis=0) * tl.sum(scale, axis=0)  # scale is [1, BN]: the sum is the row
+        acc = _add_scaled(acc, part, scale, SPANS)
+    _store_row(acc, y_ptr, row_m, N, offs_n, ATOMIC, SPANS)
+
+
+@triton.jit
+def _x_pairs(x_ptr, k, K):
+    """bf16 x at inputs k (low half) and k + 4 (high half) as one bf16x2 word each."""
+    lo = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = tl.load(x_ptr + k + 4, mask=k + 4 < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo | (hi << 16)
+
+
+# One int4 word (8 values) times 8 bf16 inputs, two values per instruction: each pair of nibbles i and i + 4
+# is OR-ed into the mantissas of a bf16x2 128.0 (lop3), offset by -(128 + 8 + zero) (exact in bf16),
+# multiplied by x's pair and chained through 4 bf16x2 FMAs; the two halves are added in float32.
+# $0: float32 result; $1: word; $2-$5: x pairs (i, i + 4) for i = 0..3; $6: -(136 + zero) as bf16x2.
+_DOT8_BF16X2 = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, s, m, c, one, nz, a;
+.reg .f32 lo, hi;
+mov.b32 m, 0x000F000F;
+mov.b32 c, 0x43004300;
+mov.b32 one, 0x3F803F80;
+mov.b32 nz, 0x80008000;
+lop3.b32 t0, $1, m, c, 0xea;
+shr.u32 s, $1, 4;
+lop3.b32 t1, s, m, c, 0xea;
+shr.u32 s, $1, 8;
+lop3.b32 t2, s, m, c, 0xea;
+shr.u32 s, $1, 12;
+lop3.b32 t3, s, m, c, 0xea;
+fma.rn.bf16x2 t0, t0, one, $6;
+fma.rn.bf16x2 t1, t1, one, $6;
+fma.rn.bf16x2 t2, t2, one, $6;
+fma.rn.bf16x2 t3, t3, one, $6;
+fma.rn.bf16x2 a, t0, $2, nz;
+fma.rn.bf16x2 a, t1, $3, a;
+fma.rn.bf16x2 a, t2, $4, a;
+fma.rn.bf16x2 a, t3, $5, a;
+shl.b32 s, a, 16;
+mov.b32 lo, s;
+and.b32 s, a, 0xFFFF0000;
+mov.b32 hi, s;
+add.f32 $0, lo, hi;
+}""")
+
+
+@triton.jit
+def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
+                             HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
+    GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
+    would; the rest (pair sums, scales, the accumulation over K) is float32."""
+    ROWS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    row_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    word_rows = tl.cdiv(K, 8)
+    x_row = x_ptr + row_m * stride_xm
     if SPANS:
-        y = tl.sum(acc, axis=0)
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     else:
-        y = acc
-    y_ptrs = y_ptr + row_m * N + offs_n
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, y, mask=offs_n < N, sem="relaxed")
-    else:
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        rows = k0 // 8 + r
+        if SPANS:
+            w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, 4, HAS_ZERO)
+        else:
+            w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
+            scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, 4, HAS_ZERO)
+        if HAS_ZERO:
+            offset = base + 128.0  # base is the zero point + 8
+        else:
+            offset = tl.zeros_like(scale) + 136.0
+        neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        k = k0 + r * 8
+        part = tl.inline_asm_elementwise(
+            _DOT8_BF16X2, "=r,r,r,r,r,r,r",
+            [w, _x_pairs(x_row, k, K)[:, None], _x_pairs(x_row, k + 1, K)[:, None],
+             _x_pairs(x_row, k + 2, K)[:, None], _x_pairs(x_row, k + 3, K)[:, None], neg | (neg << 16)],
+            dtype=tl.float32, is_pure=True, pack=1)
+        acc = _add_scaled(acc, part, scale, SPANS)
+    _store_row(acc, y_ptr, row_m, N, offs_n, ATOMIC, SPANS)
 
 
 @triton.jit

@@ -15,7 +15,8 @@ straddles a quantization group (BLOCK_K divides the group), so the scale multipl
 partial dot product once per output instead of every weight.
 
 Four kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a small and a larger tensor-core
-tile, and a dequantize pass that writes the bf16 weight once for cuBLAS. The small-M ones split K over several
+tile, and a dequantize pass that writes the bf16 weight once for cuBLAS (plus a bf16x2 variant of the
+GEMV that the sweep times before it may enter the table). The small-M ones split K over several
 programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU; the two
 smallest classes gather scales per word row, so their tiles may span quantization groups. Which
 runs for which M is a fixed table measured on an H200 (benchmarks/kernel_wna16.py), never tuned on
@@ -25,7 +26,7 @@ measured as fast as ours at one row and faster at a few (models/quantized.py sen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,8 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 @dataclass(frozen=True)
 class Blocks:
-    kind: str  # "gemv" (CUDA cores, a program per row of x), "small_dot" / "dot" (tensor cores), "dequantize"
+    kind: str  # "gemv" (CUDA cores, a program per row of x), "small_dot" / "dot" (tensor cores), "dequantize";
+    # "gemv_bf16x2": the int4 GEMV two values per instruction (bf16 x only; a sweep candidate, not in the table)
     block_m: int
     block_n: int
     block_k: int
@@ -123,7 +125,7 @@ def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
     """The tile depth: the configured one, for the kernels that gather scales per word row; for the
     others the largest up to it that stays inside one group."""
     block_k = blocks.block_k
-    if blocks.kind in ("gemv", "small_dot"):
+    if blocks.kind in ("gemv", "gemv_bf16x2", "small_dot"):
         return block_k
     while group_size < k and group_size % block_k:
         block_k //= 2
@@ -192,13 +194,16 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     x2 = x.reshape(-1, in_features).contiguous()
     m, n, k = x2.shape[0], packed.shape[1], in_features
     blocks = blocks or choose_blocks(m)
+    if blocks.kind == "gemv_bf16x2" and not (bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda):
+        blocks = replace(blocks, kind="gemv")  # its PTX takes int4 and bf16, on a GPU
     if blocks.kind == "dequantize":
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
     if blocks.kind == "small_dot":  # tl.dot wants 16 word rows at least: 64 values of 8 bits, 128 of 4
         block_k = max(block_k, 16 * (32 // bits))
-    rows = m if blocks.kind == "gemv" else triton.cdiv(m, blocks.block_m)
+    gemv = blocks.kind in ("gemv", "gemv_bf16x2")
+    rows = m if gemv else triton.cdiv(m, blocks.block_m)
     per_split, splits = _splits(blocks, triton.cdiv(n, blocks.block_n) * rows, k, block_k)
     y = (torch.zeros if splits > 1 else torch.empty)((m, n), dtype=torch.float32 if splits > 1 else x.dtype,
                                                       device=x.device)
@@ -210,6 +215,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
         kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, **common)
+    elif blocks.kind == "gemv_bf16x2":
+        common.pop("BITS")
+        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
     elif blocks.kind == "small_dot":
         kernels.wna16_small_dot_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m, **common)
     else:
