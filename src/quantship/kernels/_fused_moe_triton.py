@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from quantship.kernels._wna16_triton import _group_scale, _tile_values_2d, packed_tile_dot
+from quantship.kernels._wna16_triton import _tile_offset, _tile_values_2d, packed_tile_dot
 
 
 @triton.jit
@@ -27,10 +27,9 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
             offset += tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32)
         tile = (q - offset) * tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
     else:
-        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
-        if not HAS_ZERO:
-            base = tl.zeros_like(scale) + (1 << (BITS - 1))
-        tile = (q - base) * scale
+        offset = _tile_offset(z_ptr, k0 // group_size, offs_n, N, HAS_ZERO, BITS)
+        scale = tl.load(s_ptr + (k0 // group_size) * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tile = (q - offset[None, :]) * scale[None, :]
     return tile
 
 

@@ -108,6 +108,19 @@ def _group_scale(s_ptr, z_ptr, group, offs_n, N, BITS: tl.constexpr, HAS_ZERO: t
 
 
 @triton.jit
+def _tile_words(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
+                HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+    """A word tile, its upper halves, scales and offset bases: gathered per word row [R, BN] where the
+    tile spans groups (SPANS), else the one group's rows [1, BN]."""
+    if SPANS:
+        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS, HAS_ZERO)
+    else:
+        w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
+        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+    return w, hi, scale, base
+
+
+@triton.jit
 def _add_scaled(acc, part, scale, SPANS: tl.constexpr):
     """acc plus a tile's partial sums [R, BN] times their scales: per word row where the tile spans
     groups (acc [R, BN]), else the column sums times the group's scale row [1, BN] (acc [BN])."""
@@ -153,13 +166,8 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        rows = k0 // PER_WORD + r
-        if SPANS:
-            w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS,
-                                            HAS_ZERO)
-        else:
-            w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
-            scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+        w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
+                                         group_size, BITS, HAS_ZERO, SPANS)
         part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(PER_WORD):
             k = k0 + r * PER_WORD + i
@@ -234,12 +242,8 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        rows = k0 // 8 + r
-        if SPANS:
-            w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, 4, HAS_ZERO)
-        else:
-            w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
-            scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, 4, HAS_ZERO)
+        w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
+                                         HAS_ZERO, SPANS)
         if HAS_ZERO:
             offset = base + 128.0  # base is the zero point + 8
         else:
@@ -267,13 +271,8 @@ def packed_tile_dot(a_rows, a_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_s
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     r = tl.arange(0, ROWS)
-    rows = k0 // PER_WORD + r
-    if SPANS:
-        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, tl.cdiv(K, PER_WORD), N, group_size,
-                                        BITS, HAS_ZERO)
-    else:
-        w, hi = _words(w_ptr, rows, offs_n, tl.cdiv(K, PER_WORD), N)
-        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+    w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
+                                     group_size, BITS, HAS_ZERO, SPANS)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in tl.static_range(PER_WORD):
         k = k0 + r * PER_WORD + i

@@ -152,8 +152,8 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     tiles_gate, tiles_down = triton.cdiv(inter, block_n), triton.cdiv(hidden, block_n)
     split_gate, split_down = split_k or (splits(gate, block_m, slots, tiles_gate, k_gate),
                                          splits(down, block_m, slots, tiles_down, k_down))
-    per_gate, split_gate = _per_split(hidden, k_gate, split_gate)
-    per_down, split_down = _per_split(inter, k_down, split_down)
+    per_gate, split_gate = wna16.split_range(hidden, k_gate, split_gate)
+    per_down, split_down = wna16.split_range(inter, k_down, split_down)
 
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     partial = torch.zeros(2, slots, inter, dtype=torch.float32, device=x.device) if split_gate > 1 else act
@@ -170,10 +170,3 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
         num_experts, hidden, inter, max(down.group_size, 1), per_down, BITS=down.bits, HAS_ZERO=down.zero is not None,
         SPANS=_spans(down, k_down), ATOMIC=split_down > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
     return out.view(n, top_k, hidden).sum(1).to(x.dtype)
-
-
-def _per_split(k: int, block_k: int, split: int) -> tuple[int, int]:
-    """(inputs per split, a whole number of K tiles; the number of splits that makes)."""
-    steps = -(-k // block_k)
-    per = -(-steps // max(1, split)) * block_k
-    return per, -(-k // per)

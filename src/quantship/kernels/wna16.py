@@ -132,12 +132,18 @@ def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
     return block_k
 
 
+def split_range(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(inputs per split, a whole number of K tiles; the number of splits that makes) for about `split`."""
+    steps = -(-k // block_k)
+    per_split = -(-steps // max(1, split)) * block_k
+    return per_split, -(-k // per_split)
+
+
 def _splits(blocks: Blocks, tiles: int, k: int, block_k: int) -> tuple[int, int]:
     """(K range per split, number of splits): enough programs to fill the GPU, at least 4 steps each."""
     steps = -(-k // block_k)
     split = steps if blocks.split_k < 0 else blocks.split_k or max(1, min(TARGET_PROGRAMS // tiles, steps // 4))
-    per_split = -(-steps // split) * block_k
-    return per_split, -(-k // per_split)
+    return split_range(k, block_k, split)
 
 
 def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
