@@ -213,6 +213,23 @@ def run(out: Path, sweep: bool) -> None:
         print(label, "relative error vs float32 reference:", e)
 
 
+def _sweep_text(r: dict) -> str:
+    """The --sweep's ranking (summed over SWEEP_SHAPES) against the fixed table's and tinygemm's time there."""
+    if not r.get("best_tiles"):
+        return "No tile sweep in this run (`run --sweep` adds one)."
+    parts = []
+    for m, ranked in r["best_tiles"].items():
+        rows = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in SWEEP_SHAPES]
+        fixed = sum(row["w4a16_s"] for row in rows)
+        tiny = sum(row.get("tinygemm_s", float("nan")) for row in rows)
+        best, t = ranked[0]
+        parts.append(f"M = {m}: {best} {t * 1e6:.1f} µs, the table's choice {fixed * 1e6:.1f} µs, "
+                     f"tinygemm {tiny * 1e6:.1f} µs")
+    return ("W4A16 tile sweep of this run (`run --sweep`, every candidate checked against the reference first; "
+            f"times summed over {' and '.join(SWEEP_SHAPES)}): " + "; ".join(parts) + ". The table takes a "
+            "sweep's winner for the next run where it beats its current choice by more than run-to-run noise.")
+
+
 def render() -> None:
     r = json.loads((RESULTS / "kernel_wna16.json").read_text())
     rows = []
@@ -233,22 +250,18 @@ def render() -> None:
              table(["Linear (out x in)", "M", "bf16 F.linear GB/s", "W4A16 Triton GB/s", "W4A16 tinygemm GB/s",
                     "W8A16 Triton GB/s", "Triton W4A16 speed-up over bf16", "tinygemm speed-up over bf16"],
                    rows), "",
-             "Triton columns are what `kernels.wna16.matmul` picks by M: the CUDA-core GEMV up to 8 rows (one "
-             "K tile of 64 per program, one warp, partial sums added atomically: the many-small-programs shape "
-             "GemLite calls reverse split-K), the small tensor-core tile up to 16, the older tile up to 64. Where "
-             "a tile lies inside one quantization group the GEMV loads that group's scale row once per tile "
-             "instead of per word row: W8A16 at M = 1 went from 1.2-1.45 TB/s (previous run) to 1.7-2.2; the "
-             "W4A16 GEMV read 1.0-1.3 TB/s, 5-12% below the previous run's 1.05-1.43 (not on the int4 bf16 "
-             "path, which is tinygemm's). At M = 1 tinygemm reads 1.2-1.6 TB/s; at M = 4 tinygemm "
-             "keeps its lead (the GEMV runs a program per row); at M = 16 the small tile reads 0.6-0.75 TB/s against "
-             "tinygemm's 0.4-0.44 (this run predates the small tile's switch to one scale row per tile inside a "
-             "group, the GEMV's change; the engine's V2-Lite batch-16 figure above is after it). So PackedLinear "
-             "sends int4 bf16 decode up to 8 rows to tinygemm and the rest "
-             "to these tiles. All of them are slower than bf16 cuBLAS per call from M = 16 on, and at M = 1 they "
-             "read 40-50% of the bytes per second bf16 cuBLAS does (a call 1.5-2x faster, not the 3.9x the byte "
-             "count allows): dequantizing costs three to four instructions per weight on CUDA cores; a "
-             "Marlin-class kernel (weights pre-shuffled into the tensor-core fragment layout, lop3 conversions "
-             "two values at a time) is what closes that gap.", "",
+             "Triton columns are the GEMV up to 8 rows (one K tile of 64 per program, one warp, partial sums "
+             "added atomically: the many-small-programs shape GemLite calls reverse split-K; where a tile lies "
+             "inside one quantization group it loads that group's scale row once), the small tensor-core tile "
+             "up to 16, the older tile up to 64. At M = 1 tinygemm reads 1.2-1.6 TB/s against the GEMV's "
+             "0.95-1.3; at M = 4 tinygemm keeps its lead (the GEMV runs a program per row); at M = 16 the small "
+             "tile reads 0.6-0.75 TB/s against tinygemm's 0.4-0.44. So PackedLinear sends int4 bf16 decode up to "
+             "8 rows to tinygemm and the rest to these tiles. All of them are slower than bf16 cuBLAS per call "
+             "from M = 16 on, and at M = 1 they read 30-50% of the bytes per second bf16 cuBLAS does (a call "
+             "1.3-1.9x faster, not the 3.9x the byte count allows): dequantizing costs three to four "
+             "instructions per weight on CUDA cores; a Marlin-class kernel (weights pre-shuffled into the "
+             "tensor-core fragment layout, lop3 conversions two values at a time) is what closes that gap.",
+             "", _sweep_text(r), "",
              "Prefill-sized calls (M = 2048), microseconds: W4A16 (dequantize once in Triton, then cuBLAS) "
              "against bf16 cuBLAS.", "",
              table(["Linear", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed"], prefill)]

@@ -173,7 +173,8 @@ def render() -> None:
             "layer now takes less time than bf16; at batch 1 (one token per expert; runs differ by 10-20% "
             "here, compare within a run) neither path reads more than a fraction of its roofline, and W4A16 is "
             "no faster than bf16: each working program streams its expert's whole K alone. A K split for decode "
-            "blocks exists (fused_moe.DECODE_PROGRAMS, off) and is timed with --decode-programs."]
+            "blocks (fused_moe.DECODE_PROGRAMS) is timed with --decode-programs: its rows gained 4-5% at batch "
+            "32 and lost 3-12% at batch 1, inside this table's run-to-run spread, so it stays off."]
     update_section("moe_decode_layer", "\n".join(text))
 
 

@@ -69,6 +69,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_bytes_per_token = kv_bytes_per_token(mc, dtype)
+        memory.prefer_expandable_segments(model.model.embed_tokens.weight.device)  # a model loaded elsewhere
         num_blocks = config.num_blocks or self._default_blocks(config, self.kv_bytes_per_token)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
@@ -251,6 +252,7 @@ def load_engine(model: Path, device: str = "cpu", dtype: torch.dtype | None = No
     phase = phase or (lambda name: contextlib.nullcontext())
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = load_tokenizer(Path(model))
+    memory.prefer_expandable_segments(torch.device(device))  # before the weights: their segments grow too
     with phase("load_weights"):
         checkpoint = Checkpoint(model)
         loaded = checkpoint.load_model(dtype, device)

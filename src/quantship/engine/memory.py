@@ -19,6 +19,8 @@ measures them against a real out-of-memory point.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from quantship.models.config import ModelConfig
@@ -30,6 +32,22 @@ INT64, BOOL, FLOAT32 = 8, 1, 4
 
 class CacheTooSmall(ValueError):
     """The budget holds no KV block: the weights take (nearly) all the memory given."""
+
+
+def prefer_expandable_segments(device: torch.device) -> bool:
+    """Let the CUDA caching allocator grow segments instead of carving fixed ones, unless the user chose
+    (PYTORCH_CUDA_ALLOC_CONF set). Measured on an H200 (benchmarks/capacity_check.py, 6.7B bf16): with
+    fixed segments up to 9.7 GB sat in split blocks no request could use and the engine ran out of
+    memory 2-3 sequences before its prediction at 4K-16K contexts. Segments made before the switch stay
+    fixed: call it before loading weights. Process-wide, like the variable; True when applied."""
+    if device.type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # PyTorch >= 2.9
+    setter = setter or getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:  # a PyTorch without the runtime switch: fixed segments stay
+        return False
+    setter("expandable_segments:True")
+    return True
 
 
 def free_after_weights(memory_bytes: int | None, weight_bytes: int, device: torch.device) -> int | None:

@@ -7,11 +7,11 @@ Four shapes of the same arithmetic, chosen by M (rows of x):
   integer to float conversion is the exponent trick (q | 0x4B000000 is the float 2^23 + q) on the
   value masked in place, with the offset folded into the subtraction (_word_values).
 - wna16_small_dot_kernel (M up to 16): the same word tiles, one tensor-core product per value position.
-- wna16_dot_kernel (M up to 64): the tile is dequantized as [BK, BN] (words loaded per value from
-  L1), then one tl.dot per K step.
-- dequantize_kernel (prefill): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
+- wna16_dot_kernel: the tile is dequantized as [BK, BN] (words loaded per value from L1), then one
+  tl.dot per K step; a sweep candidate for 17-64 rows, where dequantize + cuBLAS measured faster.
+- dequantize_kernel (from 17 rows on): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 - wna16_gemv_bf16x2_kernel: the int4 GEMV with bf16 x, two values per instruction through inline
-  bf16x2 PTX (GPU only); a candidate the kernel sweep times, not yet in the table.
+  bf16x2 PTX (GPU only); the table's choice for one row (14% faster than the float32 GEMV, measured).
 """
 
 import triton

@@ -16,7 +16,7 @@ partial dot product once per output instead of every weight.
 
 Four kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a small and a larger tensor-core
 tile, and a dequantize pass that writes the bf16 weight once for cuBLAS (plus a bf16x2 variant of the
-GEMV that the sweep times before it may enter the table). The small-M ones split K over several
+GEMV, for one row of bf16 x). The small-M ones split K over several
 programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU; the two
 smallest classes gather scales per word row, so their tiles may span quantization groups. Which
 runs for which M is a fixed table measured on an H200 (benchmarks/kernel_wna16.py), never tuned on
@@ -99,15 +99,17 @@ class Blocks:
     num_stages: int = 3
 
 
-# M class (upper bound) → kernel and tiles. Measured on an H200 (benchmarks/kernel_wna16.py, 4096x4096,
-# 22016x4096 and 4096x11008 at M = 1, 16, 64, group 128): at M = 1 the GEMV with one K tile per program
-# and one warp reached 1,100-1,770 GB/s (tinygemm, which PackedLinear prefers for int4 bf16, the same);
-# at M = 16 the small tensor-core tile 600-780 GB/s (tinygemm 385-450); at M = 64 the old tile.
+# M class (upper bound) → kernel and tiles, the winners of benchmarks/kernel_wna16.py --sweep on an H200
+# (int4 g128, 4096x4096 and 4096x11008 summed): at M = 1 the bf16x2 GEMV, 23.4 µs against 27.2 for the
+# float32 GEMV (tinygemm, which PackedLinear prefers for int4 bf16, 22.9; off the GPU, or for fp16 or
+# int8, the bf16x2 kind runs as the float32 GEMV); at M = 16 the small tensor-core tile, 45.9 µs against
+# tinygemm's 76.3; at M = 64 dequantize + cuBLAS, 82.9 µs against 112.8 for the 64-row tile it replaces
+# (whose cost is flat from 17 to 64 rows: one 64-row block either way).
 BLOCKS_BY_M = [
+    (1, Blocks("gemv_bf16x2", 1, 128, 128, -1, 2, 1)),
     (8, Blocks("gemv", 1, 128, 64, -1, 1, 1)),
-    (16, Blocks("small_dot", 16, 128, 256, 8, 8, 1)),
-    (64, Blocks("dot", 64, 64, 128, 0, 4, 3)),
-    (None, Blocks("dequantize", 0, 128, 128, 1, 4, 1)),
+    (16, Blocks("small_dot", 16, 128, 128, 8, 8, 3)),
+    (None, Blocks("dequantize", 0, 64, 64, 1, 4, 1)),
 ]
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
 
