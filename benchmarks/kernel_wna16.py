@@ -205,7 +205,10 @@ def run(out: Path, sweep: bool) -> None:
         ranked = sorted(times.items(), key=lambda kv: kv[1])
         best[m] = [(repr(b), t) for b, t in ranked[:3]]
         print(f"M={m}: best tiles (summed over shapes): {best[m]}")
+    from quantship.kernels.wna16 import BLOCKS_BY_M
+
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
+              "table": _table_text(BLOCKS_BY_M),
               "errors": errors, "rows": rows, "best_tiles": best, "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_wna16.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -226,8 +229,22 @@ def _sweep_text(r: dict) -> str:
         parts.append(f"M = {m}: {best} {t * 1e6:.1f} µs, the table's choice {fixed * 1e6:.1f} µs, "
                      f"tinygemm {tiny * 1e6:.1f} µs")
     return ("W4A16 tile sweep of this run (`run --sweep`, every candidate checked against the reference first; "
-            f"times summed over {' and '.join(SWEEP_SHAPES)}): " + "; ".join(parts) + ". The table takes a "
-            "sweep's winner for the next run where it beats its current choice by more than run-to-run noise.")
+            f"times summed over {' and '.join(SWEEP_SHAPES)}): " + "; ".join(parts) + ".")
+
+
+def _table_text(table) -> str:
+    return "; ".join(f"M <= {limit}: {b}" if limit else f"larger M: {b}" for limit, b in table)
+
+
+def _table_note(r: dict) -> str:
+    """Whether the Triton columns ran with the table the code now has (runs before this key: unknown)."""
+    from quantship.kernels.wna16 import BLOCKS_BY_M
+
+    now = _table_text(BLOCKS_BY_M)
+    if r.get("table") == now:
+        return "The Triton columns ran with the table the code has now (kernels.wna16.BLOCKS_BY_M)."
+    return ("The Triton columns ran with an earlier table; kernels.wna16.BLOCKS_BY_M has since changed to "
+            f"{now}, not yet measured here.")
 
 
 def render() -> None:
@@ -261,7 +278,7 @@ def render() -> None:
              "1.3-1.9x faster, not the 3.9x the byte count allows): dequantizing costs three to four "
              "instructions per weight on CUDA cores; a Marlin-class kernel (weights pre-shuffled into the "
              "tensor-core fragment layout, lop3 conversions two values at a time) is what closes that gap.",
-             "", _sweep_text(r), "",
+             "", _sweep_text(r) + " " + _table_note(r), "",
              "Prefill-sized calls (M = 2048), microseconds: W4A16 (dequantize once in Triton, then cuBLAS) "
              "against bf16 cuBLAS.", "",
              table(["Linear", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed"], prefill)]
