@@ -226,12 +226,14 @@ def test_info_reports_the_weight_memory_the_engine_holds(w4a16, capsys):
 
 def test_engine_prefers_expandable_segments_on_cuda_unless_the_user_chose(monkeypatch):
     calls = []
+    monkeypatch.setattr(memory, "_expandable", False)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert not memory.prefer_expandable_segments(torch.device("cpu"))
     assert calls == []
     assert memory.prefer_expandable_segments(torch.device("cuda", 0))
-    assert calls == ["expandable_segments:True"]
+    assert calls == ["expandable_segments:True"] and memory.allocator_setting() == "expandable segments"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's choice stands
     assert not memory.prefer_expandable_segments(torch.device("cuda", 0))
     assert calls == ["expandable_segments:True"]
+    assert memory.allocator_setting() == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"

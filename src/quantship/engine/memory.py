@@ -26,12 +26,21 @@ import torch
 from quantship.models.config import ModelConfig
 
 KV_CACHE_FRACTION = 0.85  # share of free memory the KV cache takes (vLLM's gpu_memory_utilization is 0.9 of all)
+_expandable = False  # set once prefer_expandable_segments has switched the allocator
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU, without an explicit budget: a fixed 2 GiB cache
 INT64, BOOL, FLOAT32 = 8, 1, 4
 
 
 class CacheTooSmall(ValueError):
     """The budget holds no KV block: the weights take (nearly) all the memory given."""
+
+
+def allocator_setting() -> str:
+    """How the CUDA caching allocator is set up, for the server's start-up log."""
+    chosen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if chosen is not None:
+        return f"PYTORCH_CUDA_ALLOC_CONF={chosen}"
+    return "expandable segments" if _expandable else "fixed segments (this PyTorch has no runtime switch)"
 
 
 def prefer_expandable_segments(device: torch.device) -> bool:
@@ -47,6 +56,8 @@ def prefer_expandable_segments(device: torch.device) -> bool:
     if setter is None:  # a PyTorch without the runtime switch: fixed segments stay
         return False
     setter("expandable_segments:True")
+    global _expandable
+    _expandable = True
     return True
 
 

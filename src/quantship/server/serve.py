@@ -149,6 +149,7 @@ def serve(model: str | Path | None, opts: ServeOptions) -> int:
 def _build(path: Path, name: str, opts: ServeOptions, clock):
     import torch
 
+    from quantship.engine import memory as memory_setup
     from quantship.engine.async_engine import AsyncEngine
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import load_engine
@@ -177,6 +178,8 @@ def _build(path: Path, name: str, opts: ServeOptions, clock):
     log.info("weights: %.1f MiB on %s%s", memory["weight_bytes"] / 2**20, device,
              f", of which {memory['packed_linears']} packed int Linears {memory['packed_linear_bytes'] / 2**20:.1f} MiB"
              if memory["packed_linears"] else "")
+    if device.startswith("cuda"):
+        log.info("CUDA allocator: %s", memory_setup.allocator_setting())
     s = engine.stats()
     log.info("KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.1f MiB; context %d tokens, "
              "batch up to %d sequences, queue bound %d, prefix caching %s", s.num_blocks, s.block_size,
