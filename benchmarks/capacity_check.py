@@ -177,8 +177,11 @@ def trial(model, context: int, n: int, batch_cap: int, budget_tokens: int) -> di
         torch.cuda.empty_cache()
 
 
-def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tokens: int, log: list) -> int:
-    """The largest n that runs: bracket around the prediction, then bisect."""
+def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tokens: int,
+                 log: list) -> tuple[int, int]:
+    """(largest n that ran, smallest that did not): bracket around the prediction in steps of 2%, then
+    bisect down to 1% of n (one sequence where n is under 200), which is all a 5% check needs: a trial
+    with hundreds of MLA sequences takes half a minute."""
     def ok(n: int) -> bool:
         result = trial(model, context, n, batch_cap, budget_tokens)
         log.append({"context": context, **result})
@@ -189,7 +192,7 @@ def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tok
     n = max(1, predicted)
     while bad is None:
         if ok(n):
-            good, n = n, max(n + 1, int(n * 1.05))
+            good, n = n, max(n + 1, int(n * 1.02))
         else:
             bad = n
             while good == 0 and n > 1:  # the prediction was too high: walk down
@@ -198,10 +201,10 @@ def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tok
                     good = n
                 else:
                     bad = n
-    while bad - good > 1:
+    while bad - good > max(1, good // 100):
         mid = (good + bad) // 2
         good, bad = (mid, bad) if ok(mid) else (good, mid)
-    return good
+    return good, bad
 
 
 def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...] | None) -> dict:
@@ -231,8 +234,9 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
               "allocator": "fixed segments" if fixed else "expandable segments", "warmup_streams": "one"}
     for row in p.rows:
         start = time.time()
-        got = measured_oom(model, row.context, row.seqs_oom, 256, 512, result["trials"])
+        got, fails_at = measured_oom(model, row.context, row.seqs_oom, 256, 512, result["trials"])
         result["rows"].append({"context": row.context, "predicted_oom": row.seqs_oom, "measured_oom": got,
+                               "fails_at": fails_at,
                                "error": (row.seqs_oom - got) / got if got else None, "seconds": time.time() - start})
         out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))  # after every context: a cut-short run still reports
@@ -275,8 +279,11 @@ def render(paths: list[str]) -> None:
         else:
             for row in r["rows"]:
                 err = f"{100 * row['error']:+.1f}%" if row["error"] is not None else "-"
+                measured = str(row["measured_oom"])
+                if row.get("fails_at", row["measured_oom"] + 1) > row["measured_oom"] + 1:  # bisection stopped at 1%
+                    measured += f" (fails at {row['fails_at']}; between untried)"
                 gpu_rows.append([r["shape"], r["scheme"], _allocator(r), row["context"], row["predicted_oom"],
-                                 row["measured_oom"], err, _unexplained(r, row["context"])])
+                                 measured, err, _unexplained(r, row["context"])])
     text = ["## Capacity planner against the engine", "",
             "`benchmarks/capacity_check.py`. `quantship capacity` predicts, per context length, how many sequences "
             "the engine's KV cache holds (its own sizing, engine/memory.py) and where a larger cache would run out "
