@@ -4,8 +4,9 @@ For each context length L it gives two numbers, both from the engine's own formu
 - engine: the sequences of L tokens the engine's KV cache holds at once (its own sizing: a fraction of
   the memory free after the weights). Beyond them requests wait or are preempted, never out of memory.
 - out of memory: the sequences whose cache would fit if the cache took everything but the estimated
-  overheads (one step's activations at that batch, CUDA graphs, int4 decode copies, allocator slack):
-  the point past which a larger cache fraction runs out of memory.
+  overheads (one step's activations at that batch, CUDA graphs, int4 decode copies, the largest
+  quantized Linear dequantized, allocator slack): the point past which a larger cache fraction runs
+  out of memory.
 and the throughput-optimal batch of a roofline model: a decode step reads the weights it uses (routed
 experts only as far as the batch touches them) and every sequence's cache, at the GPU's bandwidth, or
 computes 2 x active parameters per token at its BF16 peak, whichever takes longer; the optimal batch is
@@ -149,7 +150,8 @@ def plan(req: Request) -> Plan:
         raise QuantshipError(f"{_gb(per_gpu_weights)} of weights{share}, {served.description}, do not fit in the "
                              f"{_gb(mem['usable_bytes'])} a process gets of {gpu.name}"
                              + ("; quantize the model or add GPUs" if cuda else ""))
-    overheads = _Overheads(config, dtype, req, served.decode_copy_bytes if cuda else 0, gpu, cuda)
+    overheads = _Overheads(config, dtype, req, served.decode_copy_bytes if cuda else 0, gpu, cuda,
+                           served.dequantize_bytes)
     fraction = req.kv_cache_fraction or _recommend_fraction(mem["free_bytes"], overheads, contexts, req, per_token)
     budget = memory.kv_cache_budget(mem["free_bytes"], fraction) if mem["free_bytes"] is not None \
         else memory.CPU_KV_CACHE_BYTES
@@ -231,15 +233,23 @@ def _kv(config: ModelConfig, dtype: torch.dtype, per_token: int) -> dict:
 class _Overheads:
     """Estimated memory besides weights and cache at a batch and context (engine/memory.py's models)."""
 
-    def __init__(self, config, dtype, req: Request, decode_copies: int, gpu: Gpu, cuda: bool):
+    def __init__(self, config, dtype, req: Request, decode_copies: int, gpu: Gpu, cuda: bool, dequantize: int = 0):
         self.config, self.dtype, self.req, self.copies, self.cuda = config, dtype, req, decode_copies, cuda
+        self.dequantize = dequantize
         self.slack = int(ALLOCATOR_SLACK * gpu.memory_bytes) if cuda else 0
 
     def parts(self, batch: int, context: int) -> dict[str, int]:
         c, d, r = self.config, self.dtype, self.req
         return {"activations": memory.peak_activation_bytes(c, d, r.max_num_batched_tokens, batch, context, self.cuda),
                 "cuda_graphs": memory.graph_pool_bytes(c, d, batch, context, r.block_size) if self.cuda else 0,
-                "int4_decode_copies": self.copies, "allocator_slack": self.slack}
+                "int4_decode_copies": self.copies, "dequantized_weight": self._dequantized(batch),
+                "allocator_slack": self.slack}
+
+    def _dequantized(self, batch: int) -> int:
+        """The largest quantized Linear written out dense by a step (kernels/wna16.py dequantizes from 17
+        rows on; QuantLinear at any size): one for eager prefill chunks, and on CUDA one more held in
+        the graph pool once a decode graph has more than 16 rows."""
+        return self.dequantize * (2 if self.cuda and batch > 16 else 1)
 
     def __call__(self, batch: int, context: int) -> int:
         return sum(self.parts(batch, context).values())

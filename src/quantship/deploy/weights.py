@@ -45,6 +45,7 @@ class WeightMemory:
     description: str
     routed_expert_bytes: int = 0  # of weight_bytes: routed experts (a decode step reads only those chosen)
     embedding_bytes: int = 0  # of weight_bytes: the input embedding (a step reads only its tokens' rows)
+    dequantize_bytes: int = 0  # the largest packed Linear (merged as served) dequantized: a CUDA step's transient
 
 
 def _spec_from_group(group: dict) -> Spec:
@@ -123,8 +124,8 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
                                  "the checkpoint as stored)")
         scheme = scheme.upper().replace("-", "_")
     assign = _Assigner(config, scheme, source)
-    cache: dict[tuple, tuple[int, int, int]] = {}
-    layers_total = copies_total = experts_total = 0
+    cache: dict[tuple, tuple[int, int, int, int]] = {}
+    layers_total = copies_total = experts_total = dequantize = 0
     shapes: dict[bool, list[tuple[str, nn.Linear]]] = {}
     for i in range(config.num_hidden_layers):
         kind = config.is_moe_layer(i)
@@ -134,7 +135,8 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
         specs = tuple(assign(f"model.layers.{i}.{name}", linear) for name, linear in shapes[kind])
         if (kind, specs) not in cache:
             cache[(kind, specs)] = _layer_bytes(config, i, specs, dtype)
-        layer, copies, experts = cache[(kind, specs)]
+        layer, copies, experts, largest = cache[(kind, specs)]
+        dequantize = max(dequantize, largest)
         layers_total += layer
         copies_total += copies
         experts_total += experts
@@ -144,7 +146,7 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
     stored = "as stored" if config.raw.get("quantization_config") else UNQUANTIZED
     return WeightMemory(scheme or stored, layers_total + weight_bytes(outer),
                         copies_total if dtype == torch.bfloat16 else 0, describe(config, scheme, dtype), experts_total,
-                        embedding)
+                        embedding, dequantize)
 
 
 def active_parameters(config: ModelConfig) -> int:
@@ -171,8 +173,12 @@ def _routed(name: str) -> bool:
     return name.startswith("mlp.experts.")
 
 
-def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> tuple[int, int]:
+def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(bytes held, int4 decode copies, routed experts' bytes, largest packed Linear dequantized) of one
+    layer as the engine serves it."""
     from quantship.models.causal_lm import build_layer
+    from quantship.models.merged import merge_projections
+    from quantship.models.quantized import PackedLinear, QuantLinear
 
     with torch.device("meta"):
         layer = build_layer(config, index)
@@ -187,4 +193,8 @@ def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dty
         copies += int4_decode_copy(name, new)
     layer = layer.to(dtype)
     experts = sum(weight_bytes(m) for n, m in layer.named_modules() if _routed(n) and n.count(".") == 2)
-    return weight_bytes(layer), copies, experts
+    held = weight_bytes(layer)
+    merge_projections(layer)  # as the engine runs it: a merged Linear dequantizes whole
+    largest = max((m.out_features * m.in_features * dtype.itemsize for n, m in layer.named_modules()
+                   if isinstance(m, (PackedLinear, QuantLinear)) and not _routed(n)), default=0)
+    return held, copies, experts, largest
