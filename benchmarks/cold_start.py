@@ -5,6 +5,8 @@ Here (CPU, bundled model):
 On the GPU machine (DeepSeek-Coder-6.7B shape, random bf16 weights written to disk first, then the
 same quantized W4A16 with RTN; the page cache is warm, as on a node that served the model before):
     PYTHONPATH=src python3 benchmarks/cold_start.py run --where gpu --out $OUT
+(`serve` needs fastapi, starlette, uvicorn and pydantic, and quantizing needs compressed-tensors: a GPU
+image without them takes their wheels, e.g. `pip download --no-deps` of the versions in this venv.)
 Then here: .venv/bin/python benchmarks/cold_start.py render benchmarks/results/cold_start_*.json
 
 Each round starts a fresh server process, polls /ready every 10 ms, sends one request for one token
