@@ -243,6 +243,11 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
     return result
 
 
+FIX_ORDER = ["fixed segments, a stream per graph", "expandable segments, a stream per graph",
+             "expandable segments after the weights, one warm-up stream", "expandable segments, one warm-up stream",
+             "fixed segments, one warm-up stream"]
+
+
 def _allocator(result: dict) -> str:
     """How the run's allocator was set up; runs written before these keys existed had fixed segments
     unless they said otherwise, and a new warm-up stream (so a new cuBLAS workspace) per graph."""
@@ -268,9 +273,11 @@ def _unexplained(result: dict, context: int) -> str:
 
 def render(paths: list[str]) -> None:
     cpu_rows, gpu_rows = [], []
-    for p in paths:
-        r = json.loads(Path(p).read_text())
-        write_result(Path(p).stem, r)
+    results = [(Path(p).stem, json.loads(Path(p).read_text())) for p in paths]
+    # Rows in the order the allocator fixes landed, whatever order the paths come in (a glob sorts by name).
+    results.sort(key=lambda item: FIX_ORDER.index(_allocator(item[1])) if item[1]["where"] == "gpu" else -1)
+    for stem, r in results:
+        write_result(stem, r)
         if r["where"] == "cpu":
             for row in r["rows"]:
                 cpu_rows.append([row["context"], row["predicted"], row["admitted"], row["waiting"],
