@@ -267,7 +267,7 @@ def _unexplained(result: dict, context: int) -> str:
     over = row["overheads"]
     modelled = (result["plan"]["served"]["weight_bytes"] + t["n"] * row["kv_bytes_per_sequence"]
                 + over["activations"] + over["cuda_graphs"] + over["int4_decode_copies"]
-                + over.get("dequantized_weight", 0))  # a part plans written before it existed lack
+                + over.get("dequantized_weight", 0))  # plans written before this part existed lack it
     return f"{(t['peak_allocated'] - modelled) / 1e9:+.2f}"
 
 
