@@ -156,3 +156,13 @@ def test_cpu_dequantize_is_the_quantized_tensors_own(bits, group, symmetric):
     zero = None if q.zero_point is None else q.zero_point.to(torch.int8).t().contiguous()
     weight = wna16.dequantize(packed, q.scale.t().contiguous(), zero, bits, k, group)
     assert torch.equal(weight, q.dequantize().float())
+
+
+def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
+    """int4 with bf16 x on a GPU takes the bf16x2 GEMV at one row; anything else (int8, fp16, CPU) the
+    float32 GEMV's own measured tiles, not the bf16x2 entry's."""
+    assert wna16.choose_blocks(1).kind == "gemv_bf16x2"
+    plain = wna16.choose_blocks(1, bf16x2=False)
+    assert plain.kind == "gemv" and plain == wna16.choose_blocks(8)
+    assert [wna16.choose_blocks(m).kind for m in (2, 16, 17, 64, 300)] == ["gemv", "small_dot", "dequantize",
+                                                                          "dequantize", "dequantize"]

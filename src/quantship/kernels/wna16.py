@@ -114,8 +114,11 @@ BLOCKS_BY_M = [
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
 
 
-def choose_blocks(m: int) -> Blocks:
-    return next(b for limit, b in BLOCKS_BY_M if limit is None or m <= limit)
+def choose_blocks(m: int, bf16x2: bool = True) -> Blocks:
+    """The table's tiles for M rows; without bf16x2 (its PTX takes int4 and bf16 x, on a GPU) one row
+    takes the GEMV's entry, whose tiles were measured for every dtype."""
+    return next(b for limit, b in BLOCKS_BY_M
+                if (limit is None or m <= limit) and (bf16x2 or b.kind != "gemv_bf16x2"))
 
 
 def supports(bits: int, group_size: int, in_features: int) -> bool:
@@ -201,9 +204,10 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     shape = x.shape
     x2 = x.reshape(-1, in_features).contiguous()
     m, n, k = x2.shape[0], packed.shape[1], in_features
-    blocks = blocks or choose_blocks(m)
-    if blocks.kind == "gemv_bf16x2" and not (bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda):
-        blocks = replace(blocks, kind="gemv")  # its PTX takes int4 and bf16, on a GPU
+    bf16x2 = bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda  # what its PTX takes
+    blocks = blocks or choose_blocks(m, bf16x2)
+    if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
+        blocks = replace(blocks, kind="gemv")
     if blocks.kind == "dequantize":
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
