@@ -409,19 +409,21 @@ def step_anatomy(model, config, batch: int, steps: int = 32) -> dict:
     return {"batch": batch, "step_ms": step_s * 1e3, "replay_ms": None if replay_s is None else replay_s * 1e3}
 
 
-def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None) -> None:
-    """W4A16 against bf16 in the engine only (batch 1 and 16, 64 tokens; the TTFT of 2,048 tokens): a
-    short check between full runs."""
+def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16)) -> None:
+    """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
+    tokens): a short check between full runs."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     del hf
     w4 = quantized_copy(ours)
     from quantship.engine.config import EngineConfig
 
-    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=16 * 128, max_model_len=256, kv_cache_bytes=8 << 30)
+    most = max(batches)
+    config = EngineConfig(max_num_seqs=most, max_num_batched_tokens=most * 128, max_model_len=256,
+                          kv_cache_bytes=8 << 30)
     rows = []
     with torch.inference_mode():
-        for batch in (1, 16):
+        for batch in batches:
             prompts = torch.randint(3, ours.config.vocab_size, (batch, 128)).tolist()
             time_engine(w4, prompts, 4, config)
             time_engine(ours, prompts, 4, config)
@@ -494,15 +496,28 @@ def anatomy_note() -> list[str]:
     cells = [f"batch {x['batch']} {kind}: {x[f'anatomy_{kind}']['step_ms']:.2f} ms per engine step against "
              f"{x[f'anatomy_{kind}']['replay_ms']:.2f} ms replaying its graph alone"
              for x in q if "batch" in x for kind in ("bf16", "w4a16")]
-    return ["Where a decode step goes (`engine_throughput.py quick`, 6.7B shape, one run before the small "
-            "tensor-core tile landed): " + "; ".join(cells) + ". Scheduling, staging the inputs and sampling add "
-            "5% or less: what is left is inside the graph, in the weight kernels.", ""]
+    return ["Where a decode step goes (`engine_throughput.py quick`, 6.7B shape, the run in the table below): "
+            + "; ".join(cells) + ". Scheduling, staging the inputs and sampling add 5-10%: the rest is inside the "
+            "graph.", ""]
+
+
+QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
+    "": {"swap tile for 2-64 rows (current table)": ""},
+    "_v2-lite": {"fused MoE decode tile (current)": "", "before it (old MoE tile)": "_old_moe_tile"},
+}
+QUICK_TEXT = {
+    "": "Re-measured after the full run above with the swap tile (`engine_throughput.py quick --batches 1 16 64`, "
+        "one run, W4A16 and bf16 alternating; 64 tokens per request after a 128-token prompt, graphs captured "
+        "first):",
+    "_v2-lite": "Re-measured with the kv_b_proj fix (`engine_throughput.py quick --shape v2-lite --layers 8`, one "
+                "run per line, W4A16 and bf16 alternating in each; the current line is after the fused MoE kernels "
+                "took the per-value-position tile product for decode blocks):",
+}
 
 
 def quick_rerun_note(suffix: str) -> list[str]:
     """The quick re-runs of a shape's W4A16 / bf16 decode (engine_throughput.py quick), as a small table."""
-    runs = {"fused MoE decode tile (current)": RESULTS / f"engine_quick_gpu{suffix}.json",
-            "before it (old MoE tile)": RESULTS / f"engine_quick_gpu{suffix}_old_moe_tile.json"}
+    runs = {label: RESULTS / f"engine_quick_gpu{suffix}{tail}.json" for label, tail in QUICK_RUNS[suffix].items()}
     rows = []
     for label, path in runs.items():
         if not path.exists():
@@ -517,10 +532,7 @@ def quick_rerun_note(suffix: str) -> list[str]:
                              f"{x['ttft']['bf16']['ours_s'] / x['ttft']['w4a16']['ours_s']:.2f}x"])
     if not rows:
         return []
-    return ["Re-measured with the kv_b_proj fix (`engine_throughput.py quick --shape v2-lite --layers 8`, one run "
-            "per line, W4A16 and bf16 alternating in each; the current line is after the fused MoE kernels took "
-            "the per-value-position tile product for decode blocks):", "",
-            table(["code", "batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16"], rows), ""]
+    return [QUICK_TEXT[suffix], "", table(["code", "batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16"], rows), ""]
 
 
 def render() -> None:
@@ -567,7 +579,7 @@ def render() -> None:
             parts += anatomy_note()
         if gpu and "w4a16" in r:
             parts += w4a16_section(r, f"{r['model']} shape{layers}")
-            parts += quick_rerun_note(suffix) if suffix else []
+            parts += quick_rerun_note(suffix)
     agreement = RESULTS / "agreement_bundled_gpu.json"
     if agreement.exists():
         a = json.loads(agreement.read_text())
@@ -595,13 +607,14 @@ def main() -> None:
     q.add_argument("--out", type=Path, default=RESULTS)
     q.add_argument("--shape", default="coder-6.7b")
     q.add_argument("--layers", type=int)
+    q.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.cmd == "agreement":
         agreement_on_bundled(args.out)
     elif args.cmd == "quick":
-        quick(args.out, args.shape, args.layers)
+        quick(args.out, args.shape, args.layers, tuple(args.batches))
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers)
         if args.out == RESULTS:

@@ -27,9 +27,9 @@ from _report import RESULTS, table, update_section  # noqa: E402
 
 SHAPES = {"q/o_proj 4096x4096": (4096, 4096), "gate/up 11008x4096": (11008, 4096),
           "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096)}  # (out N, in K)
-MS = [1, 4, 16, 64, 256, 2048]
+MS = [1, 4, 16, 32, 64, 256, 2048]
 SWEEP_SHAPES = ("q/o_proj 4096x4096", "down 4096x11008")  # one of each K: enough to rank tile shapes
-SWEEP_MS = (1, 16, 64)
+SWEEP_MS = (1, 4, 16, 32, 64, 256)
 GROUP = 128
 
 
@@ -102,27 +102,22 @@ def check(weights, bits: int, k: int) -> float:
 
 
 def candidates(m: int):
-    """Tile shapes worth timing for this M: the decode GEMV (one K tile per program, or a few pipelined;
-    and its two-values-per-instruction bf16x2 variant),
-    the small tensor-core tile (which keeps each word tile in registers) with up to 64 rows, the older
-    tile, dequantize + cuBLAS."""
+    """Tile shapes worth timing for this M: the decode GEMVs (one K tile per program; the float32 and
+    the bf16x2 one), the swap tile (weight as the left tensor-core operand, x permuted) with as many
+    rows as M needs, dequantize + cuBLAS from 32 rows on."""
     from quantship.kernels.wna16 import Blocks
 
     out = []
+    if m <= 4:
+        out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
+        out += [Blocks("gemv_bf16x2", 1, bn, 128, -1, warps, 1) for bn in (128, 256) for warps in (1, 2)] if m == 1 else []
     if m == 1:
-        for bn in (128, 256):
-            for bk in (64, 128):
-                out += [Blocks("gemv", 1, bn, bk, split, warps, stages) for split, warps, stages in
-                        ((-1, 1, 1), (-1, 2, 1), (16, 1, 2), (16, 2, 3), (32, 1, 2), (32, 2, 3), (8, 4, 3))]
-                out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1) for warps in (1, 2)]
         return out
-    for bm in ((16,) if m <= 16 else (32, 64)):
-        out += [Blocks("small_dot", bm, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
-                for split in ((4, 8) if m <= 16 else (1, 2, 4)) for warps in (4, 8)
-                for stages in ((1, 3) if m <= 16 else (1,))]
-    out += [Blocks("dot", 64, bn, bk, split, warps, 3) for bn in (64, 128) for bk in (64, 128)
-            for split in (0, 1) for warps in (4, 8)]
-    if m >= 64:
+    rows = [16] if m <= 16 else [32, 64] if m <= 64 else [128, 256]
+    splits = (4, 8) if m <= 16 else (2, 4) if m <= 64 else (1, 2)
+    out += [Blocks("swap_dot", bm, bn, bk, split, 4, stages) for bm in rows for bn in (64, 128) for bk in (128, 256)
+            for split in splits for stages in (2, 4)]
+    if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
 
@@ -267,17 +262,21 @@ def render() -> None:
              table(["Linear (out x in)", "M", "bf16 F.linear GB/s", "W4A16 Triton GB/s", "W4A16 tinygemm GB/s",
                     "W8A16 Triton GB/s", "Triton W4A16 speed-up over bf16", "tinygemm speed-up over bf16"],
                    rows), "",
-             "Triton columns are the GEMV up to 8 rows (one K tile of 64 per program, one warp, partial sums "
-             "added atomically: the many-small-programs shape GemLite calls reverse split-K; where a tile lies "
-             "inside one quantization group it loads that group's scale row once), the small tensor-core tile "
-             "up to 16, the older tile up to 64. At M = 1 tinygemm reads 1.2-1.6 TB/s against the GEMV's "
-             "0.95-1.3; at M = 4 tinygemm keeps its lead (the GEMV runs a program per row); at M = 16 the small "
-             "tile reads 0.6-0.75 TB/s against tinygemm's 0.4-0.44. So PackedLinear sends int4 bf16 decode up to "
-             "8 rows to tinygemm and the rest to these tiles. All of them are slower than bf16 cuBLAS per call "
-             "from M = 16 on, and at M = 1 they read 30-50% of the bytes per second bf16 cuBLAS does (a call "
-             "1.3-1.9x faster, not the 3.9x the byte count allows): dequantizing costs three to four "
-             "instructions per weight on CUDA cores; a Marlin-class kernel (weights pre-shuffled into the "
-             "tensor-core fragment layout, lop3 conversions two values at a time) is what closes that gap.",
+             "Triton columns are the kernel table of the run: at one row the bf16x2 GEMV (one K tile per "
+             "program, two int4 values per PTX instruction, partial sums added atomically: the "
+             "many-small-programs shape GemLite calls reverse split-K), at 4 rows the float32 GEMV (a program per "
+             "row), from 16 to 64 rows the swap tile (y^T = W x^T on tensor cores: the weight tile fills the "
+             "instruction's 64-row side, x permuted per call so each product's inputs are contiguous; 64-row "
+             "tiles at 32 rows), past 64 rows dequantize + cuBLAS; the W8A16 column runs the float32 GEMV at one "
+             "row. The table has since sent 2-8 rows to the 16-row swap tile and 17-32 rows to a 32-row one, the "
+             "sweep's winners below. At one row the bf16x2 GEMV is level with tinygemm and 1.6-1.95x faster "
+             "than bf16 cuBLAS (not the 3.9x the byte count allows: it reads 1.05-1.66 TB/s of 4.3); at 16 rows "
+             "the swap tile is 2x tinygemm and 0.9-1.16x bf16 cuBLAS; at 64 rows it reads 0.46-0.64 TB/s, half "
+             "to three quarters of bf16's speed. PackedLinear sends int4 bf16 decode up to 8 rows to tinygemm "
+             "(faster at 4 rows: the swap tile's cost is flat up to its 16 rows). What is left between these "
+             "figures and the bytes is the dequantization's instructions and latency; a Marlin-class layout "
+             "(weights pre-shuffled into the tensor-core fragment order, lop3 conversions two values at a time) "
+             "is the known next step.",
              "", _sweep_text(r) + " " + _table_note(r), "",
              "Prefill-sized calls (M = 2048), microseconds: W4A16 (dequantize once in Triton, then cuBLAS) "
              "against bf16 cuBLAS.", "",

@@ -240,9 +240,11 @@ def test_engine_prefers_expandable_segments_on_cuda_unless_the_user_chose(monkey
 
 
 def test_planner_counts_the_largest_quantized_linear_dequantized(shapes):
-    """kernels/wna16.py writes a packed Linear out dense from 17 rows on; the planner reserves the
-    largest one (merged as served: gate and up together) once, and once more in the graph pool when a
-    decode graph has more than 16 rows. Unquantized models have none."""
+    """kernels/wna16.py writes a packed Linear out dense past 64 rows (its table); the planner reserves
+    the largest one (merged as served: gate and up together) once, and once more in the graph pool when
+    a decode graph has that many rows. Unquantized models have none."""
+    from quantship.kernels import wna16
+
     config = load_config(TINY_DIR)
     served = weight_memory(config, "W4A16", torch.bfloat16)
     merged_gate_up = 2 * config.intermediate_size * config.hidden_size * 2
@@ -252,5 +254,6 @@ def test_planner_counts_the_largest_quantized_linear_dequantized(shapes):
     assert plan.row(512).overheads["dequantized_weight"] >= served.dequantize_bytes > 0  # wired into the plan
     small = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,
                                 find_gpu("H200"), True, served.dequantize_bytes)
-    assert small.parts(16, 512)["dequantized_weight"] == served.dequantize_bytes
-    assert small.parts(17, 512)["dequantized_weight"] == 2 * served.dequantize_bytes
+    assert wna16.dequantizes_from() == 65
+    assert small.parts(64, 512)["dequantized_weight"] == served.dequantize_bytes
+    assert small.parts(65, 512)["dequantized_weight"] == 2 * served.dequantize_bytes

@@ -50,9 +50,10 @@ CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across
     (8, 1000, False, 65, 24, 1000),
     (4, 64, False, 4, 40, 2048),  # the decode (gemv) class with split K
     (8, 32, True, 2, 24, 64),
-    (4, 32, False, 12, 40, 160),  # the small tensor-core tile: asymmetric, K inside one tile, tiles span groups
-    (4, 96, True, 9, 24, 96),  # the small tile, per-channel
-    (4, 384, False, 10, 24, 768),  # the small tile: groups longer than a tile that its tiles still straddle
+    (4, 32, False, 12, 40, 160),  # the swap tile: asymmetric, K padded to two x blocks, tiles span groups
+    (4, 96, True, 9, 24, 96),  # the swap tile, per-channel, K inside one x block
+    (4, 384, False, 10, 24, 768),  # the swap tile: groups longer than a tile that its tiles still straddle
+    (8, 64, False, 40, 32, 320),  # the swap tile, 8 bits: x blocks of 64 inputs, K not a whole number of tiles
 ]
 
 
@@ -72,11 +73,11 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
         assert error < tolerance, (dtype, error.item())
 
 
-@pytest.mark.parametrize("blocks", [wna16.Blocks("dot", 16, 32, 64, 4), wna16.Blocks("dot", 32, 16, 32, 1),
-                                    wna16.Blocks("gemv", 1, 32, 64, 3), wna16.Blocks("gemv", 1, 16, 32, 1),
+@pytest.mark.parametrize("blocks", [wna16.Blocks("gemv", 1, 32, 64, 3), wna16.Blocks("gemv", 1, 16, 32, 1),
                                     wna16.Blocks("gemv", 1, 32, 256, -1, 1),  # tiles span groups of 64
-                                    wna16.Blocks("small_dot", 16, 32, 256, 3, 4, 1),  # spans groups: scales per value
-                                    wna16.Blocks("small_dot", 16, 16, 64, -1, 4, 1),  # raised to 128: spans
+                                    wna16.Blocks("swap_dot", 16, 32, 256, 3, 4, 1),  # two x blocks, spans groups
+                                    wna16.Blocks("swap_dot", 16, 16, 64, -1, 4, 1),  # raised to 128: spans
+                                    wna16.Blocks("swap_dot", 32, 64, 128, 1, 4, 1),  # one split, rows masked
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
@@ -160,9 +161,30 @@ def test_cpu_dequantize_is_the_quantized_tensors_own(bits, group, symmetric):
 
 def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
     """int4 with bf16 x on a GPU takes the bf16x2 GEMV at one row; anything else (int8, fp16, CPU) the
-    float32 GEMV's own measured tiles, not the bf16x2 entry's."""
+    float32 GEMV's own measured tiles, not the bf16x2 entry's; two rows on take the swap tile with as
+    many rows as the table measured for that M, past 64 dequantize + cuBLAS."""
     assert wna16.choose_blocks(1).kind == "gemv_bf16x2"
     plain = wna16.choose_blocks(1, bf16x2=False)
-    assert plain.kind == "gemv" and plain == wna16.choose_blocks(8)
-    assert [wna16.choose_blocks(m).kind for m in (2, 16, 17, 64, 300)] == ["gemv", "small_dot", "dequantize",
-                                                                          "dequantize", "dequantize"]
+    assert plain.kind == "gemv" and plain.block_k == 64
+    chosen = [wna16.choose_blocks(m, bf16x2) for m in (2, 16, 17, 33, 64, 65, 300) for bf16x2 in (True, False)]
+    assert [(b.kind, b.block_m) for b in chosen[::2]] == [("swap_dot", 16), ("swap_dot", 16), ("swap_dot", 32),
+                                                          ("swap_dot", 64), ("swap_dot", 64), ("dequantize", 0),
+                                                          ("dequantize", 0)]
+    assert chosen[::2] == chosen[1::2]
+
+
+@pytest.mark.parametrize("bits,k", [(4, 300), (8, 64), (4, 128)])
+def test_permuted_x_puts_each_value_positions_inputs_side_by_side(bits, k):
+    """permute_x moves input j*P + i of each block of 16 word rows to 16*i + j, zero-padded to whole
+    blocks: what the swap tile's contiguous loads assume."""
+    per_word = 32 // bits
+    x = torch.arange(2 * k, dtype=torch.float32).reshape(2, k) + 1
+    out = wna16.permute_x(x, bits)
+    block = 16 * per_word
+    assert out.shape == (2, -(-k // block) * block)
+    for column in range(out.shape[1]):
+        b, within = divmod(column, block)
+        i, j = divmod(within, 16)
+        source = b * block + j * per_word + i
+        expected = x[:, source] if source < k else torch.zeros(2)
+        assert torch.equal(out[:, column], expected), column

@@ -26,6 +26,7 @@ from quantship.deploy.gpus import Gpu, cuda_overhead, find_gpu, gpu_of_memory
 from quantship.deploy.weights import LISTED, UNQUANTIZED, WeightMemory, active_parameters, weight_memory
 from quantship.engine import memory
 from quantship.errors import QuantshipError
+from quantship.kernels import wna16
 from quantship.models.config import ModelConfig
 from quantship.models.paged import cache_width, full_kv_width, kv_bytes_per_token
 
@@ -246,10 +247,10 @@ class _Overheads:
                 "allocator_slack": self.slack}
 
     def _dequantized(self, batch: int) -> int:
-        """The largest quantized Linear written out dense by a step (kernels/wna16.py dequantizes from 17
-        rows on; QuantLinear at any size): one for eager prefill chunks, and on CUDA one more held in
-        the graph pool once a decode graph has more than 16 rows."""
-        return self.dequantize * (2 if self.cuda and batch > 16 else 1)
+        """The largest quantized Linear written out dense by a step (kernels/wna16.py from
+        dequantizes_from() rows on; QuantLinear at any size): one for eager prefill chunks, and on CUDA
+        one more held in the graph pool once a decode graph has that many rows."""
+        return self.dequantize * (2 if self.cuda and batch >= wna16.dequantizes_from() else 1)
 
     def __call__(self, batch: int, context: int) -> int:
         return sum(self.parts(batch, context).values())

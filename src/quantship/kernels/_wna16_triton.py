@@ -1,17 +1,17 @@
 """The Triton kernels behind kernels.wna16 (imported only when one is launched; the layout is there).
 
-Four shapes of the same arithmetic, chosen by M (rows of x):
+The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
 - wna16_gemv_kernel (decode, M of a few rows): no tensor cores. Each program takes a word tile
   [R, BN] (a few K steps: many programs, partial sums added atomically, as GemLite's reverse split-K)
   and accumulates value i of every word against x's column r*P + i, in registers, no reshape. The
   integer to float conversion is the exponent trick (q | 0x4B000000 is the float 2^23 + q) on the
   value masked in place, with the offset folded into the subtraction (_word_values).
-- wna16_small_dot_kernel (M up to 16): the same word tiles, one tensor-core product per value position.
-- wna16_dot_kernel: the tile is dequantized as [BK, BN] (words loaded per value from L1), then one
-  tl.dot per K step; a sweep candidate for 17-64 rows, where dequantize + cuBLAS measured faster.
-- dequantize_kernel (from 17 rows on): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 - wna16_gemv_bf16x2_kernel: the int4 GEMV with bf16 x, two values per instruction through inline
   bf16x2 PTX (GPU only); the table's choice for one row (14% faster than the float32 GEMV, measured).
+- wna16_swap_dot_kernel (9 to 64 rows): y^T = W x^T on tensor cores, one product per value position
+  of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
+- dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
+packed_tile_dot is the fused MoE's tile (x rows gathered per expert, x's columns strided).
 """
 
 import triton
@@ -288,59 +288,93 @@ def packed_tile_dot(a_rows, a_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_s
 
 
 @triton.jit
-def wna16_small_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                           BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tensor cores for a few rows of x, one packed_tile_dot per K tile."""
+def _exact_values(src, i: tl.constexpr, base, BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """Value i of each word minus its offset, as _word_values but not scaled by 2^shift: the multiply
+    by 2^-shift and the offset's subtraction are one FMA, so x is used as it is (loaded straight into
+    the tensor-core product). Exact in float32: every operand and the result are small integers or
+    powers of two times them."""
+    HALF: tl.constexpr = 16 // BITS
+    SHIFT: tl.constexpr = BITS * (i % HALF)
+    f = ((src & (((1 << BITS) - 1) << SHIFT)) | MAGIC).to(tl.float32, bitcast=True)
+    INV: tl.constexpr = 1.0 / (1 << SHIFT)
+    if HAS_ZERO:
+        return f * INV - (MAGIC_VALUE * INV + base)
+    return f * INV - (MAGIC_VALUE * INV + (1 << (BITS - 1)))
+
+
+@triton.jit
+def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
+               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
+    """_tile_words for the swap tile, loaded as [BN, R] (the product's left operand) and its scales and
+    offset bases as [BN, R] (SPANS) or [BN, 1]. EVEN_K: whole tiles, no row mask."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    if EVEN_K:
+        ok = (offs_n < N)[:, None]
+    else:
+        ok = (offs_n < N)[:, None] & (rows < word_rows)[None, :]
+    w = tl.load(w_ptr + rows[None, :] * N + offs_n[:, None], mask=ok, other=0, eviction_policy="evict_first")
+    if SPANS:
+        meta = (rows * PER_WORD // group_size)[None, :] * N + offs_n[:, None]
+        meta_ok = ok
+    else:
+        meta = (k0 // group_size) * N + offs_n[:, None]
+        meta_ok = (offs_n < N)[:, None]
+    scale = tl.load(s_ptr + meta, mask=meta_ok, other=0.0).to(tl.float32)
+    base = scale
+    if HAS_ZERO:
+        base = tl.load(z_ptr + meta, mask=meta_ok, other=0).to(tl.float32) + (1 << (BITS - 1))
+    return w, w >> 16, scale, base
+
+
+@triton.jit
+def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
+                          BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
+                          EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """y^T = W x^T on tensor cores for a few to 64 rows of x. The weight is the left operand: its
+    [BN, R] word tile is loaded once (pipelined into shared memory, read in the product's register
+    layout) and gives one product per value position i, so BN outputs fill the instruction's wide
+    side however few rows x has (Hopper's wgmma takes that operand from registers). x comes permuted
+    and padded to whole tiles (wna16.permute_x): the inputs value i of 16 consecutive word rows meets
+    are 16 contiguous columns, loaded as they are. SPANS: the tile spans groups, scales gathered per
+    word row multiply the values. EVEN_K: K is whole tiles (no row masks)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    r = tl.arange(0, ROWS)
+    if ROWS == 16:
+        x_cols = r
+    else:
+        x_cols = (r // 16) * BLOCK + r % 16
+    x_rows = x_ptr + offs_m[None, :] * stride_xm
+    word_rows = tl.cdiv(K, PER_WORD)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        acc += packed_tile_dot(x_ptr + offs_m * stride_xm, m_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size,
-                               BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
-    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-    mask = m_ok[:, None] & (offs_n[None, :] < N)
+        w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
+                                        group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in tl.static_range(PER_WORD):
+            x = tl.load(x_rows + (k0 + 16 * i + x_cols)[:, None], mask=m_ok[None, :], other=0.0)
+            v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+            if SPANS:
+                v = v * scale
+            part = tl.dot(v.to(x_ptr.dtype.element_ty), x, part, out_dtype=tl.float32)
+        if SPANS:
+            acc += part
+        else:
+            acc += part * scale
+    y_ptrs = y_ptr + offs_m[None, :] * N + offs_n[:, None]
+    mask = m_ok[None, :] & (offs_n[:, None] < N)
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def wna16_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    PER_WORD: tl.constexpr = 32 // BITS
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    word_rows = tl.cdiv(K, PER_WORD)
-    m_ok = offs_m[:, None] < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok & (offs_k[None, :] < K),
-                    other=0.0)
-        q = _tile_values_2d(w_ptr, offs_k, offs_n, word_rows, N, BITS)
-        group = k0 // group_size
-        offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
-        w = q - offset[None, :]
-        scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32) * scale[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-    mask = m_ok & (offs_n[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -14,7 +14,7 @@ routing on the host every layer, which stops decode steps from being captured as
 Each projection of all experts is stacked once per layer (`ExpertWeights`): dense [E, out, in] as the
 checkpoint's [out, in] matrices, or W4A16/W8A16 packed [E, in/P, out] int32 with scales [E, G, out]
 (and zero points), the layout of kernels/wna16.py, dequantized in registers by the same tile
-product as the plain small tensor-core kernel (each word loaded once; tiles may span groups). Gate and up are
+product (wna16 packed_tile_dot: each word loaded once; tiles may span groups). Gate and up are
 separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
 loop the kernels must equal. The shapes follow vLLM's fused_moe (its sorted-token layout is the
 anchor); the code is ours.

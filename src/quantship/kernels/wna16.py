@@ -14,14 +14,15 @@ input rows by BLOCK_N outputs is one coalesced load of BLOCK_K / P rows of words
 straddles a quantization group (BLOCK_K divides the group), so the scale multiplies the tile's
 partial dot product once per output instead of every weight.
 
-Four kernels share the layout (_wna16_triton.py): a CUDA-core GEMV, a small and a larger tensor-core
-tile, and a dequantize pass that writes the bf16 weight once for cuBLAS (plus a bf16x2 variant of the
-GEMV, for one row of bf16 x). The small-M ones split K over several
-programs and add partial sums atomically (fp32), so a batch-1 product still fills the GPU; the two
-smallest classes gather scales per word row, so their tiles may span quantization groups. Which
-runs for which M is a fixed table measured on an H200 (benchmarks/kernel_wna16.py), never tuned on
-the request path. `tinygemm_pack` makes the same int4 weight for PyTorch's own decode kernel, which
-measured as fast as ours at one row and faster at a few (models/quantized.py sends it up to 8).
+Three kernels share the layout (_wna16_triton.py): a CUDA-core GEMV (plus a bf16x2 variant for one
+row of bf16 x), a tensor-core tile for a few to 64 rows that takes x permuted per call (permute_x:
+a copy of x, the weight stays as packed), and a dequantize pass that writes the bf16 weight once
+for cuBLAS. The small-M ones split K over several programs and add partial sums atomically (fp32),
+so a batch-1 product still fills the GPU; they gather scales per word row where a tile spans
+quantization groups. Which runs for which M is a fixed table measured on an H200
+(benchmarks/kernel_wna16.py), never tuned on the request path. `tinygemm_pack` makes the same int4
+weight for PyTorch's own decode kernel, which measured as fast as ours at one row and faster at a
+few (models/quantized.py sends it up to 8).
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     return values.t().to(torch.int8)
 
 
+def permute_x(x: torch.Tensor, bits: int, tile: int = 0) -> torch.Tensor:
+    """x [M, K] with each block of 16P inputs reordered so that input j*P + i (value i of word row j)
+    lands at 16*i + j, zero-padded to whole blocks (and whole tiles of `tile` inputs): the columns that
+    value position i of 16 consecutive word rows multiplies become contiguous, which
+    wna16_swap_dot_kernel loads straight into its tensor-core products, unmasked. One small copy of x
+    per call instead of a repacked weight."""
+    per_word = 32 // bits
+    block = 16 * per_word
+    m, k = x.shape
+    padded = -(-k // max(block, tile)) * max(block, tile)
+    if padded != k:
+        x = F.pad(x, (0, padded - k))
+    return x.reshape(m, padded // block, 16, per_word).transpose(2, 3).reshape(m, padded)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                in_features: int, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [N, K] the packed tensors stand for (computed in float32; a transposed view).
@@ -89,8 +105,8 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 @dataclass(frozen=True)
 class Blocks:
-    kind: str  # "gemv" (CUDA cores, a program per row of x), "small_dot" / "dot" (tensor cores), "dequantize";
-    # "gemv_bf16x2": the int4 GEMV two values per instruction (bf16 x only; a sweep candidate, not in the table)
+    kind: str  # "gemv" (CUDA cores, a program per row of x), "gemv_bf16x2" (the int4 GEMV two values per
+    # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand), "dequantize"
     block_m: int
     block_n: int
     block_k: int
@@ -100,17 +116,29 @@ class Blocks:
 
 
 # M class (upper bound) → kernel and tiles, the winners of benchmarks/kernel_wna16.py --sweep on an H200
-# (int4 g128, 4096x4096 and 4096x11008 summed): at M = 1 the bf16x2 GEMV, 23.4 µs against 27.2 for the
-# float32 GEMV (tinygemm, which PackedLinear prefers for int4 bf16, 22.9; off the GPU, or for fp16 or
-# int8, the bf16x2 kind runs as the float32 GEMV); at M = 16 the small tensor-core tile, 45.9 µs against
-# tinygemm's 76.3; at M = 64 dequantize + cuBLAS, 82.9 µs against 112.8 for the 64-row tile it replaces
-# (whose cost is flat from 17 to 64 rows: one 64-row block either way).
+# (int4 g128, 4096x4096 and 4096x11008 summed; bf16 cuBLAS takes about 40 µs for the pair at any M up
+# to 64): at M = 1 the bf16x2 GEMV, 23.3 µs (tinygemm, which PackedLinear prefers for int4 bf16 up to 8
+# rows, 22.7); where its PTX cannot run (int8, fp16, off the GPU) the float32 GEMV's own entry. From 2
+# rows the swap tile: at M = 4 36.7 µs against 75.1 for the GEMV (a program per row), at M = 16 37.9
+# against 45.9 for the small tensor-core tile it replaced, 46.6 at 32, 59.3 at 64 against 82.9 for
+# dequantize + cuBLAS; past 64 rows dequantize + cuBLAS (97.0 at M = 256, the swap tile with 128 or 256
+# rows did not win).
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 128, 128, -1, 2, 1)),
-    (8, Blocks("gemv", 1, 128, 64, -1, 1, 1)),
-    (16, Blocks("small_dot", 16, 128, 128, 8, 8, 3)),
+    (1, Blocks("gemv", 1, 128, 64, -1, 1, 1)),
+    (16, Blocks("swap_dot", 16, 128, 128, 8, 4, 4)),
+    (32, Blocks("swap_dot", 32, 64, 128, 4, 4, 4)),
+    (64, Blocks("swap_dot", 64, 128, 128, 4, 4, 4)),
     (None, Blocks("dequantize", 0, 64, 64, 1, 4, 1)),
 ]
+
+
+def dequantizes_from() -> int:
+    """The fewest rows of x the table sends to dequantize + cuBLAS, which writes the weight out dense
+    for the call (the capacity planner reserves that copy)."""
+    return max(limit for limit, _ in BLOCKS_BY_M if limit is not None) + 1
+
+
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
 
 
@@ -130,7 +158,7 @@ def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
     """The tile depth: the configured one, for the kernels that gather scales per word row; for the
     others the largest up to it that stays inside one group."""
     block_k = blocks.block_k
-    if blocks.kind in ("gemv", "gemv_bf16x2", "small_dot"):
+    if blocks.kind in ("gemv", "gemv_bf16x2"):
         return block_k
     while group_size < k and group_size % block_k:
         block_k //= 2
@@ -171,7 +199,7 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
-TINYGEMM_MAX_M = 8  # measured: as fast as our GEMV at 1 row, slower than the small tensor-core tile at 16
+TINYGEMM_MAX_M = 8  # measured: level with the bf16x2 GEMV at 1 row, faster than the swap tile at 4, 2x slower at 16
 
 
 def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
@@ -212,8 +240,10 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
-    if blocks.kind == "small_dot":  # tl.dot wants 16 word rows at least: 64 values of 8 bits, 128 of 4
-        block_k = max(block_k, 16 * (32 // bits))
+    if blocks.kind == "swap_dot":  # whole permutation blocks of x (16 word rows: 128 inputs of 4 bits, 64 of 8)
+        block = 16 * (32 // bits)
+        block_k = max(block, block_k // block * block)
+        x2 = permute_x(x2, bits, block_k)
     gemv = blocks.kind in ("gemv", "gemv_bf16x2")
     rows = m if gemv else triton.cdiv(m, blocks.block_m)
     per_split, splits = _splits(blocks, triton.cdiv(n, blocks.block_n) * rows, k, block_k)
@@ -230,8 +260,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
-    elif blocks.kind == "small_dot":
-        kernels.wna16_small_dot_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m, **common)
     else:
-        kernels.wna16_dot_kernel[grid](*args, BLOCK_M=blocks.block_m, **common)
+        kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
+                                            **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)
