@@ -7,6 +7,7 @@ import pytest
 import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationScheme
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from quantship.cli import main
@@ -69,6 +70,94 @@ def test_w4_weights_are_packed_eight_per_int32(quants):
     assert t["weight_shape"].tolist() == [512, 128]
     asym = _module_tensors(Checkpoint(quants["W4A16_ASYM"]), "model.layers.1.self_attn.kv_b_proj")
     assert asym["weight_zero_point"].dtype == torch.int32 and asym["weight_zero_point"].shape == (512 // 8, 1)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16"])
+def test_loader_takes_stored_words_without_repacking(quants, scheme):
+    """The loader hands the checkpoint's packed words to the runtime as they are (transposed into the kernel
+    layout): the same layer as unpacking to int8 and packing again, which was most of a W4A16 load."""
+    ck = Checkpoint(quants[scheme])
+    name = "model.layers.3.mlp.experts.0.down_proj"
+    stored = _module_tensors(ck, name)
+    kept, _ = ck.quantized.read_linear(name, dict(stored), keep_packed=True)
+    unpacked, _ = ck.quantized.read_linear(name, dict(stored))
+    assert kept.values is None and kept.packed_rows is stored["weight_packed"]
+    fast, slow = runtime_linear(kept), runtime_linear(unpacked)
+    assert isinstance(fast, PackedLinear) and fast.in_features == slow.in_features == unpacked.values.shape[1]
+    assert fast.state_dict().keys() == slow.state_dict().keys()
+    for key, tensor in slow.state_dict().items():
+        assert torch.equal(fast.state_dict()[key], tensor), key
+    x = torch.randn(5, fast.in_features)
+    assert torch.equal(fast(x), slow(x))
+    # A grid the kernels cannot take (group 8) still runs, from the same words, dequantized in the layer.
+    finer = [None if t is None else t.repeat_interleave(16, dim=1) for t in (kept.scale, kept.zero_point)]
+    coarse = type(kept)(None, *finer, kept.args, None, kept.packed_rows)
+    assert isinstance(runtime_linear(coarse), QuantLinear)
+    torch.testing.assert_close(runtime_linear(coarse).dequantized_weight(torch.float32),
+                               slow.dequantized_weight(torch.float32), rtol=0, atol=0)
+
+
+DOWN = "model.layers.3.mlp.experts.0.down_proj"
+# A quantized Linear's stored tensors disagreeing with each other or with the config: (scheme, what to
+# change, what the one-line error says). Each once made a traceback or a wrong-shaped layer.
+INCONSISTENT = [
+    ("W4A16", lambda t: t.update(weight_packed=t["weight_packed"][:, :-1]), "weight_packed must be int32 of shape"),
+    ("W4A16", lambda t: t.update(weight_packed=t["weight_packed"].float()), "weight_packed must be int32"),
+    ("W4A16", lambda t: t.update(weight_shape=t["weight_shape"].float()), "weight_shape must be two positive"),
+    ("W4A16", lambda t: t.update(weight_shape=torch.tensor([0, 8])), "weight_shape must be two positive"),
+    ("W4A16", lambda t: t.pop("weight_shape"), "weight_shape must be two positive"),
+    ("W4A16", lambda t: t.update(weight_scale=t["weight_scale"][:, :-1]), "weight_scale has shape"),
+    ("W4A16", lambda t: t.update(weight_scale=t["weight_scale"][:-1]), "weight_scale has shape"),
+    ("W4A16", lambda t: t.pop("weight_packed"), "needs weight_scale and weight_packed"),
+    ("W4A16", lambda t: t.update(weight_g_idx=torch.full((t["weight_shape"][1],), 99, dtype=torch.int32)),
+     "weight_g_idx must hold"),
+    ("W4A16_ASYM", lambda t: t.update(weight_zero_point=t["weight_zero_point"][:-1]),
+     "packed weight_zero_point has shape"),
+    ("W8A8", lambda t: t.update(weight=t["weight"][0]), "weight must be 2-D"),
+    ("W8A8", lambda t: t.update(weight_zero_point=torch.zeros(3, 1, dtype=torch.int8)), "weight_zero_point has shape"),
+]
+
+
+@pytest.mark.parametrize("scheme, corrupt, expected", INCONSISTENT)
+def test_inconsistent_quantized_tensors_are_refused_by_name(quants, tmp_path, capsys, scheme, corrupt, expected):
+    """Through a real command: one line naming the module, the problem and the shard that holds it."""
+    model = tmp_path / "model"
+    shutil.copytree(quants[scheme], model)
+    ck = Checkpoint(model)
+    shard = ck.files[f"{DOWN}.weight_scale"]
+    state = load_file(shard)
+    mine = {k[len(DOWN) + 1:]: state.pop(k) for k in list(state) if k.startswith(DOWN + ".")}
+    corrupt(mine)
+    save_file({**state, **{f"{DOWN}.{k}": v.contiguous() for k, v in mine.items()}}, str(shard))
+    index = model / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())
+    weight_map["weight_map"].update({f"{DOWN}.{k}": shard.name for k in mine})
+    weight_map["weight_map"] = {k: v for k, v in weight_map["weight_map"].items()
+                                if not k.startswith(DOWN + ".") or k[len(DOWN) + 1:] in mine}
+    index.write_text(json.dumps(weight_map))
+    assert main(["generate", str(model), "--prompt", "x", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert DOWN in err and expected in err and shard.name in err, err
+
+
+@pytest.mark.parametrize("weights, expected", [
+    ({"num_bits": "four", "strategy": "group", "group_size": 128}, "weights.num_bits"),
+    ({"num_bits": 4, "strategy": "diagonal"}, "weights.strategy"),
+    ({"num_bits": 4, "strategy": "group"}, "group_size"),
+    ({"num_bits": 4, "strategy": "group", "group_size": -3}, "weights.group_size"),
+    ({"num_bits": 0, "strategy": "channel"}, "integers of 0 bits are not supported"),
+    ({"num_bits": 16, "strategy": "channel"}, "integers of 16 bits are not supported"),
+])
+def test_malformed_quantization_config_is_refused_before_reading(quants, tmp_path, capsys, weights, expected):
+    model = tmp_path / "model"
+    shutil.copytree(quants["W4A16"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"] = weights
+    (model / "config.json").write_text(json.dumps(config))
+    assert main(["generate", str(model), "--prompt", "x", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "group_0" in err and expected in err and "config.json" in err, err
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W8A8"])

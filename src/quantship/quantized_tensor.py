@@ -56,13 +56,18 @@ class ActivationQuant:
 class QuantizedTensor:
     """values [out, in] (int8 holding intN, or float8), scale [out, groups] (or one per 2-D block when
     args.strategy is "block"), zero_point like scale or None, g_idx [in] (the group of each input column)
-    when act-order "group" permuted the groups (read from other tools' checkpoints; we never write it)."""
+    when act-order "group" permuted the groups (read from other tools' checkpoints; we never write it).
 
-    values: torch.Tensor
+    packed_rows: instead of values, integer weights as compressed-tensors stores them, int32 [out, in/P]
+    (P = 32 // bits values per word, value + 2^(bits-1) at bits i*bits; `in` a whole number of words),
+    read so for the runtime's packed Linears (models/quantized.py); values is None then."""
+
+    values: torch.Tensor | None
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     args: WeightQuant
     g_idx: torch.Tensor | None = None
+    packed_rows: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.args.strategy == "block":

@@ -145,7 +145,7 @@ class CompressedTensorsReader:
             raise QuantshipError(f"unsupported quant_method {quantization_config.get('quant_method')!r}", source)
         if fmt not in FORMATS:
             raise QuantshipError(f"unsupported compressed-tensors format {fmt!r}", source)
-        self.groups = list((quantization_config.get("config_groups") or {}).values())
+        self.groups = _checked_groups(quantization_config.get("config_groups") or {}, source)
         self.source = source
 
     def scheme_for(self, module_name: str) -> dict | None:
@@ -155,10 +155,13 @@ class CompressedTensorsReader:
                 return group
         return None
 
-    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor]
-                    ) -> tuple[QuantizedTensor, ActivationQuant | None]:
+    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor], keep_packed: bool = False,
+                    where: Path | None = None) -> tuple[QuantizedTensor, ActivationQuant | None]:
         """One Linear's weight and how its inputs are quantized (None: weight-only). `tensors` are the
-        module's own (`weight_scale`, `weight_packed`, ...); the weight's are consumed, a bias is left."""
+        module's own (`weight_scale`, `weight_packed`, ...); the weight's are consumed, a bias is left.
+        keep_packed: weight-only packed integers come as their stored words (QuantizedTensor.packed_rows,
+        values None) where every row is whole words, for a runtime that keeps them packed anyway.
+        where: the file holding the tensors, named by errors about them (default: the config)."""
         group = self.scheme_for(module_name)
         if group is None:
             raise QuantshipError(f"{module_name} holds quantized tensors but no config group targets it", self.source)
@@ -166,16 +169,47 @@ class CompressedTensorsReader:
         acts = group.get("input_activations")
         activations = ActivationQuant(type=acts.get("type", "int"), group_size=acts.get("group_size")) if acts else None
         if args.strategy == "block":
-            return self._read_blocks(module_name, tensors, args), activations
-        return unpack(tensors, args), activations
+            return self._read_blocks(module_name, tensors, args, where or self.source), activations
+        return unpack(tensors, args, module_name, where or self.source, keep_packed and activations is None), \
+            activations
 
-    def _read_blocks(self, module_name: str, tensors: dict[str, torch.Tensor], args: WeightQuant) -> QuantizedTensor:
+    def _read_blocks(self, module_name: str, tensors: dict[str, torch.Tensor], args: WeightQuant, where
+                     ) -> QuantizedTensor:
+        if "weight" not in tensors:
+            raise QuantshipError(f"{module_name}: FP8 block weights need a weight beside weight_scale", where)
         values, scale = tensors.pop("weight"), tensors.pop("weight_scale")
         expected = block_grid(tuple(values.shape), args.block)
         if values.dtype != torch.float8_e4m3fn or tuple(scale.shape) != expected:
             raise QuantshipError(f"{module_name}: FP8 block weights need float8_e4m3fn values and scales of "
-                                 f"shape {list(expected)}, got {values.dtype} and {list(scale.shape)}", self.source)
+                                 f"shape {list(expected)}, got {values.dtype} and {list(scale.shape)}", where)
         return QuantizedTensor(values, scale, None, args)
+
+
+def _checked_groups(groups, source) -> list[dict]:
+    """The config groups, each validated by compressed-tensors' own QuantizationArgs (types, strategies,
+    group sizes), so that a malformed config is refused by name before any tensor is read."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from pydantic import ValidationError
+
+    if not isinstance(groups, dict):
+        raise QuantshipError("quantization_config.config_groups must be an object", source)
+    for name, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("targets", []), list):
+            raise QuantshipError(f"config group {name!r} must be an object with a list of targets", source)
+        for part in ("weights", "input_activations"):
+            if group.get(part) is None:
+                continue
+            try:
+                args = QuantizationArgs.model_validate(group[part])
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(x) for x in first["loc"])
+                raise QuantshipError(f"config group {name!r}, {part}{'.' + where if where else ''}: {first['msg']}",
+                                     source) from None
+            if args.type == "int" and not 2 <= args.num_bits <= 8:
+                raise QuantshipError(f"config group {name!r}, {part}: integers of {args.num_bits} bits are not "
+                                     "supported (2-8)", source)
+    return list(groups.values())
 
 
 def _weight_quant(weights: dict) -> WeightQuant:
@@ -189,20 +223,79 @@ def _weight_quant(weights: dict) -> WeightQuant:
                        weights.get("actorder"), block)
 
 
-def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant) -> QuantizedTensor:
+def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant, module_name: str = "", source=None,
+           keep_packed: bool = False) -> QuantizedTensor:
     """The inverse of pack_tensors: a Linear's stored tensors (names relative to it, consumed) as integers
-    (int8 holding intN) or float8 values, with their scales, zero points and g_idx."""
+    (int8 holding intN) or float8 values, with their scales, zero points and g_idx, their shapes checked
+    against each other and the config. keep_packed: see CompressedTensorsReader.read_linear."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    scale = tensors.pop("weight_scale")
+    def refuse(problem: str):
+        raise QuantshipError(f"{module_name}: {problem}", source)
+
+    if "weight_scale" not in tensors or not ({"weight_packed", "weight"} & tensors.keys()):
+        refuse("a quantized weight needs weight_scale and weight_packed (or weight)")
     packed = "weight_packed" in tensors
+    rows = values = None
     if packed:
-        shape = torch.Size([int(v) for v in tensors.pop("weight_shape").tolist()])
-        values = unpack_from_int32(tensors.pop("weight_packed"), args.num_bits, shape)
+        if args.type != "int":
+            refuse(f"weight_packed holds integers, but the config gives {args.type} weights")
+        shape, words = _packed_shape(tensors, args, refuse)
+        if (keep_packed and "weight_g_idx" not in tensors and args.type == "int"
+                and shape[1] % (32 // args.num_bits) == 0):
+            rows = words  # unpacking to int8 and packing again was most of the time a W4A16 model took to load
+        else:
+            values = unpack_from_int32(words, args.num_bits, shape)
     else:
         values = tensors.pop("weight")
+        if values.dim() != 2:
+            refuse(f"weight must be 2-D, got shape {list(values.shape)}")
+        shape = values.shape
+    scale = _checked_scale(tensors.pop("weight_scale"), shape, args, refuse)
     zero = tensors.pop("weight_zero_point", None)
-    if zero is not None and packed:  # pack-quantized zero points are packed along the output dim
-        zero = unpack_from_int32(zero, args.num_bits, torch.Size([values.shape[0], scale.shape[1]]), packed_dim=0)
-    return QuantizedTensor(values, scale, None if zero is None else zero.to(torch.int8), args,
-                           tensors.pop("weight_g_idx", None))
+    if zero is not None:
+        if packed:  # pack-quantized zero points are packed along the output dim
+            if list(zero.shape) != [-(-shape[0] // (32 // args.num_bits)), scale.shape[1]]:
+                refuse(f"packed weight_zero_point has shape {list(zero.shape)}, the scales imply "
+                       f"{[-(-shape[0] // (32 // args.num_bits)), scale.shape[1]]}")
+            zero = unpack_from_int32(zero, args.num_bits, scale.shape, packed_dim=0)
+        zero = zero.reshape(-1, 1).expand(shape[0], 1) if zero.numel() == 1 and scale.shape[1] == 1 else zero
+        if zero.shape != scale.shape:
+            refuse(f"weight_zero_point has shape {list(zero.shape)}, weight_scale {list(scale.shape)}")
+        zero = zero.to(torch.int8).contiguous()
+    g_idx = tensors.pop("weight_g_idx", None)
+    if g_idx is not None and (list(g_idx.shape) != [shape[1]] or g_idx.is_floating_point()
+                              or int(g_idx.min()) < 0 or int(g_idx.max()) >= scale.shape[1]):
+        refuse(f"weight_g_idx must hold {shape[1]} group indices below {scale.shape[1]}")
+    return QuantizedTensor(values, scale, zero, args, g_idx, rows)
+
+
+def _checked_scale(scale: torch.Tensor, shape: torch.Size, args: WeightQuant, refuse) -> torch.Tensor:
+    """weight_scale as [out, groups]: a per-tensor scale becomes one per output (the same grid), and the
+    number of groups must be what the config's strategy and group size give for this weight."""
+    if scale.numel() == 1 and args.strategy in ("tensor", "channel"):
+        return scale.reshape(1, 1).expand(shape[0], 1).contiguous()
+    if args.strategy == "group":
+        if not args.group_size or args.group_size < 1:
+            refuse("the config's group strategy has no group_size")
+        groups = -(-shape[1] // args.group_size)
+    else:
+        groups = 1
+    if list(scale.shape) != [shape[0], groups]:
+        refuse(f"weight_scale has shape {list(scale.shape)}, the config implies {[shape[0], groups]} for a "
+               f"weight of shape {list(shape)}")
+    return scale
+
+
+def _packed_shape(tensors: dict[str, torch.Tensor], args: WeightQuant, refuse) -> tuple[torch.Size, torch.Tensor]:
+    """weight_shape and weight_packed (consumed), checked against each other."""
+    stored_shape, words = tensors.pop("weight_shape", None), tensors.pop("weight_packed")
+    if (stored_shape is None or stored_shape.numel() != 2 or stored_shape.is_floating_point()
+            or int(stored_shape.min()) < 1):
+        refuse("weight_shape must be two positive integers beside weight_packed")
+    shape = torch.Size([int(v) for v in stored_shape.tolist()])
+    expected = [shape[0], -(-shape[1] // (32 // args.num_bits))]
+    if words.dtype != torch.int32 or list(words.shape) != expected:
+        refuse(f"weight_packed must be int32 of shape {expected} for weight_shape {list(shape)}, "
+               f"got {words.dtype} {list(words.shape)}")
+    return shape, words

@@ -51,6 +51,12 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     return words.to(torch.int32).t().contiguous()
 
 
+def from_rows(rows: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' words [N, K/P] (K a whole number of words) → packed [K/P, N]: the same words,
+    transposed (pack() of the unpacked values gives exactly this; this skips the unpack and repack)."""
+    return rows.t().contiguous()
+
+
 def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """Packed int32 [ceil(K/P), N] → signed integers [N, K] (int8)."""
     per_word = 32 // bits

@@ -213,7 +213,8 @@ class Checkpoint:
             if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in state:
                 continue
             local = {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
-            weight, activations = self.quantized.read_linear(f"{prefix}.{name}", local)
+            weight, activations = self.quantized.read_linear(f"{prefix}.{name}", local, keep_packed=True,
+                                                             where=self.files.get(f"{prefix}.{name}.weight_scale"))
             new = runtime_linear(weight, activations, local.pop("bias", None))
             if name == ABSORBED:
                 # MLA's decode absorbs this weight into the queries and the output, reading it whole in

@@ -11,6 +11,8 @@ served.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,13 +86,28 @@ class PackedLinear(nn.Module):
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                  group_size: int, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = values.shape
+        self._hold(wna16.pack(values, bits), values.shape[1], scale, zero, bits, group_size, bias)
+
+    def _hold(self, packed: torch.Tensor, in_features: int, scale: torch.Tensor, zero: torch.Tensor | None,
+              bits: int, group_size: int, bias: torch.Tensor | None) -> None:
+        """Take the weight in the kernel layout; scale and zero [N, G] as read, transposed here."""
+        self.out_features, self.in_features = packed.shape[1], in_features
         self.bits, self.group_size = bits, group_size
-        self.register_buffer("weight_packed", wna16.pack(values, bits))
+        self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scale.t().contiguous())
         self.register_buffer("weight_zero_point", None if zero is None else zero.to(torch.int8).t().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._decode = None  # (weight, scales_and_zeros) in tinygemm's layout, made on the first CUDA decode
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                  group_size: int, bias: torch.Tensor | None = None) -> PackedLinear:
+        """From compressed-tensors' stored words ([N, K/P] int32, K a whole number of words): the kernel
+        layout holds the same words transposed, so loading is one transpose, no unpack and repack."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(wna16.from_rows(rows), rows.shape[1] * (32 // bits), scale, zero, bits, group_size, bias)
+        return layer
 
     @classmethod
     def concatenated(cls, parts: list[PackedLinear]) -> PackedLinear:
@@ -141,6 +158,10 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int{self.bits} packed, group={self.group_size}"
 
 
+def _packable(bits: int, group_size: int, in_features: int) -> bool:
+    return wna16.supports(bits, group_size, in_features) and in_features % group_size == 0
+
+
 def quant_linear(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                  g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None, activations: str | None = None,
                  bits: int = 8) -> nn.Module:
@@ -148,7 +169,7 @@ def quant_linear(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     in_features = values.shape[1]
     group_size = -(-in_features // scale.shape[1])
     weight_only_int = values.dtype == torch.int8 and activations is None and g_idx is None
-    if weight_only_int and wna16.supports(bits, group_size, in_features) and in_features % group_size == 0:
+    if weight_only_int and _packable(bits, group_size, in_features):
         return PackedLinear(values, scale, zero, bits, group_size, bias)
     return QuantLinear(values, scale, zero, g_idx, bias, activations)
 
@@ -160,8 +181,15 @@ def runtime_linear(q: QuantizedTensor, activations: ActivationQuant | None = Non
     if q.args.strategy == "block":
         group = activations.group_size if activations else None
         return Fp8BlockLinear(q.values, q.scale.float(), q.args.block, bias, activation_group=group)
+    bits = q.args.num_bits
+    if q.packed_rows is not None:
+        in_features = q.packed_rows.shape[1] * (32 // bits)
+        group_size = -(-in_features // q.scale.shape[1])
+        if _packable(bits, group_size, in_features):
+            return PackedLinear.from_rows(q.packed_rows, q.scale, q.zero_point, bits, group_size, bias)
+        q = replace(q, values=wna16.unpack(wna16.from_rows(q.packed_rows), bits, in_features), packed_rows=None)
     return quant_linear(q.values, q.scale, q.zero_point, q.g_idx, bias,
-                        activations=activations.type if activations else None, bits=q.args.num_bits)
+                        activations=activations.type if activations else None, bits=bits)
 
 
 def weight_bytes(module: nn.Module) -> int:
