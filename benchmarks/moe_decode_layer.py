@@ -1,7 +1,7 @@
 """Decode time of one DeepSeek MoE decoder layer (MLA + routed experts) in the engine, against the bytes it must read.
 
 On the GPU machine (DeepSeek-V3's shapes, random bf16 weights, then the same RTN-quantized to W4A16):
-    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT [--decode-programs 0 1056]
+    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT
 Here, to check the script end to end on a V3-shaped model a few MB large:
     .venv/bin/python benchmarks/moe_decode_layer.py run --shape v3-smoke
 Then here: .venv/bin/python benchmarks/moe_decode_layer.py render
@@ -110,32 +110,24 @@ def layer_bytes(model, batch: int) -> float:
     return read_bytes(weight_bytes(layer), routed_bytes(layer), model.config, batch)
 
 
-def run(shape: str, out: Path, decode_programs: tuple[int, ...] = (0,)) -> None:
-    """`decode_programs`: fused_moe.DECODE_PROGRAMS values the W4A16 layer is timed with (0: no K split)."""
+def run(shape: str, out: Path) -> None:
     from engine_throughput import copy_bandwidth, quantized_copy
-
-    from quantship.kernels import fused_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     full = build(shape, 1 + MOE_LAYERS, device)
     quantized = quantized_copy(full)
-    variants = [("bf16" if device == "cuda" else "float32", full, 0)]
-    variants += [("w4a16", quantized, programs) for programs in decode_programs]
+    variants = [("bf16" if device == "cuda" else "float32", full), ("w4a16", quantized)]
     bandwidth = copy_bandwidth() if device == "cuda" else None
     rows = []
     with torch.inference_mode():
-        for scheme, model, programs in variants:
-            fused_moe.DECODE_PROGRAMS = programs  # read when each engine captures its graphs
-            if programs:
-                scheme += f" (K split for {programs} programs)"
+        for scheme, model in variants:
             short = first_layers(model, 2)
             read = {b: layer_bytes(model, b) for b in BATCHES}  # before any engine makes decode copies
             for batch in BATCHES:
                 t_full, t_short = step_seconds(model, batch), step_seconds(short, batch)
                 per_layer = (t_full - t_short) / (MOE_LAYERS - 1)
                 row = {"scheme": scheme, "batch": batch, "layer_ms": per_layer * 1e3, "step_ms_full": t_full * 1e3,
-                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch],
-                       "decode_programs": programs}
+                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch]}
                 if bandwidth:
                     row["roofline_ms"] = read[batch] / bandwidth * 1e3
                     row["of_roofline"] = row["roofline_ms"] / row["layer_ms"]
@@ -172,9 +164,9 @@ def render() -> None:
             "W4A16 kernels (each word loaded once, 8 small tensor-core products per tile): at batch 32 a W4A16 "
             "layer now takes less time than bf16; at batch 1 (one token per expert; runs differ by 10-20% "
             "here, compare within a run) neither path reads more than a fraction of its roofline, and W4A16 is "
-            "no faster than bf16: each working program streams its expert's whole K alone. A K split for decode "
-            "blocks (fused_moe.DECODE_PROGRAMS) is timed with --decode-programs: its rows gained 4-5% at batch "
-            "32 and lost 3-12% at batch 1, inside this table's run-to-run spread, so it stays off."]
+            "no faster than bf16: each working program streams its expert's whole K alone. The rows \"K split\" "
+            "split that K over more programs (partial sums added atomically, a code path since removed): 4-5% "
+            "faster at batch 32 and 3-12% slower at batch 1, inside this table's run-to-run spread."]
     update_section("moe_decode_layer", "\n".join(text))
 
 
@@ -184,13 +176,10 @@ def main() -> None:
     p = sub.add_parser("run")
     p.add_argument("--shape", default="v3", choices=["v3", "v3-smoke"])
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--decode-programs", type=int, nargs="+", default=[0],
-                   help="time the W4A16 layer with the fused MoE's decode K split aiming at each of these program "
-                        "counts (0: no split), e.g. 0 1056")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
-        run(args.shape, args.out, tuple(args.decode_programs))
+        run(args.shape, args.out)
     else:
         render()
 

@@ -46,23 +46,16 @@ experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
 gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
            for p, t in experts.items()}, **{p.replace("w_", "up_").replace("s_", "up_s_").replace("z_", "up_z_"): t
            for p, t in experts.items()}, "act_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "TOP_K": "i32", "group_size": "i32",
-           "k_per_split": "i32"}
-gate_up["partial_ptr"] = "*fp32"  # split-K partial sums; the signature follows the kernel's argument order
-gate_up = {name: gate_up[name] for name in moe.moe_gate_up_kernel.arg_names if name in gate_up}
+           "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "TOP_K": "i32", "group_size": "i32"}
 down = {"act_ptr": "*bf16", **experts, "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-        "routing_ptr": "*fp32", "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "group_size": "i32",
-        "k_per_split": "i32"}
+        "routing_ptr": "*fp32", "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "group_size": "i32"}
 for bits, zero in ((0, False), (4, False), (4, True), (8, False)):
     weight_type = "*bf16" if bits == 0 else "*i32"
     for spans, block_m in ((False, 16), (True, 16), (False, 64), (True, 64)) if bits else ((False, 64),):
         tiles = {"BITS": bits, "HAS_ZERO": zero, "SPANS": spans, "BLOCK_M": block_m, "BLOCK_N": 64,
                  "BLOCK_K": 128 if bits == 4 and block_m == 16 else 64}
-        atomic = block_m == 16 and bits == 4  # decode blocks of packed experts may split K
-        compile(moe.moe_gate_up_kernel, dict(gate_up, gate_ptr=weight_type, up_ptr=weight_type),
-                dict(tiles, ATOMIC=atomic))
-        compile(moe.moe_down_kernel, dict(down, w_ptr=weight_type, out_ptr="*fp32" if atomic else "*bf16"),
-                dict(tiles, ATOMIC=atomic))
+        compile(moe.moe_gate_up_kernel, dict(gate_up, gate_ptr=weight_type, up_ptr=weight_type), tiles)
+        compile(moe.moe_down_kernel, dict(down, w_ptr=weight_type), tiles)
 for group, dim in ((1, 128), (4, 128), (7, 64)):
     compile(attention.paged_decode_kernel, {"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
             "lengths_ptr": "*i32", "out_ptr": "*bf16", "stride_slots": "i32", "width": "i32", "scale": "fp32"},

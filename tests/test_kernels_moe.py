@@ -91,33 +91,6 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
         assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, error.item())
 
 
-@pytest.mark.parametrize("quant,split_k", [((4, 32, False), (3, 2)), ((8, 64, True), (2, 3)), (None, (2, 3))])
-def test_split_k_adds_partial_sums_to_the_same_output(quant, split_k):
-    """Decode blocks may split K over programs (partial gate/up and down products added atomically in
-    float32, SiLU applied once all are in): the result is the expert loop's, as with one split."""
-    g = torch.Generator().manual_seed(7)
-    experts, hidden, inter, n, top_k = 8, 256, 384, 3, 2  # both launches get 2 or more K tiles to split
-    gate, up, down = layer_experts(experts, hidden, inter, quant, g)
-    x = torch.randn(n, hidden, generator=g).to(DEVICE)
-    weights, indices = routing(n, experts, top_k, seed=5)
-    expected = fused_moe.reference(x, gate, up, down, weights, indices)
-    out = fused_moe.fused_moe(x, gate, up, down, weights, indices, split_k=split_k)
-    assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 2e-2)
-
-
-def test_decode_split_follows_the_program_target(monkeypatch):
-    """The split is a static function of shapes (no host sync): off by default, and when a target is
-    set, enough programs for it over the experts a batch can reach, with at least 4 K tiles a split."""
-    g = torch.Generator().manual_seed(1)
-    w = packed_experts(8, 64, 4096, g, 4, 128, True)
-    assert fused_moe.splits(w, 16, 2, 4, 128) == 1
-    monkeypatch.setattr(fused_moe, "DECODE_PROGRAMS", 128)
-    assert fused_moe.splits(w, 16, 2, 4, 128) == 8  # 2 experts x 4 tiles: 16 splits wanted, K / (4 x 128) allows 8
-    assert fused_moe.splits(w, 16, 64, 4, 128) == 4  # at most 8 experts (all of them) x 4 tiles: 128 / 32
-    assert fused_moe.splits(w, 64, 2, 4, 128) == 1  # prefill blocks never split
-    assert fused_moe.splits(dense_experts(8, 64, 256, g), 16, 2, 4, 64) == 1  # dense experts neither
-
-
 @pytest.mark.parametrize("quantize", [False, True])
 def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
     """The DeepSeek MoE module's own routing, through the fused kernels and through its expert loop,

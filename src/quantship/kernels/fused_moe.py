@@ -79,22 +79,6 @@ def packed_block_k(bits: int, block_m: int, block_k: int = BLOCK_K) -> int:
     return max(block_k, 16 * (32 // bits)) if bits and block_m <= 16 else block_k
 
 
-# Programs a decode launch of packed experts aims for by splitting K (partial sums added atomically in
-# float32): at batch 1 a V3 layer's gate/up has only 8 experts x 32 column tiles of work, each streaming
-# all of K alone. 0 keeps one program per tile, what the H200 figures in BENCHMARKS.md were measured
-# with; the split is timed by `benchmarks/moe_decode_layer.py --decode-programs N` before it is turned on.
-DECODE_PROGRAMS = 0
-
-
-def splits(w: ExpertWeights, block_m: int, slots: int, tiles: int, block_k: int) -> int:
-    """K splits of one launch: enough programs for DECODE_PROGRAMS over the experts a decode batch can
-    reach (at most one per slot: a static bound, no host sync), at least 4 K tiles per split."""
-    if not (w.bits and block_m <= 16 and DECODE_PROGRAMS):
-        return 1
-    experts = min(slots, w.weight.shape[0])
-    return max(1, min(DECODE_PROGRAMS // (experts * tiles), w.in_features // (4 * block_k)))
-
-
 def _spans(w: ExpertWeights, block_k: int) -> bool:
     """Whether a K tile may straddle quantization groups (then scales are gathered per word row)."""
     return bool(w.bits) and w.group_size < w.in_features and w.group_size % block_k != 0
@@ -132,10 +116,10 @@ def _pointers(w: ExpertWeights) -> tuple:
 
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
-              indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
-              split_k: tuple[int, int] | None = None) -> torch.Tensor:
-    """The routed experts' output [N, H] in x's dtype, through the two Triton kernels. `split_k`: K splits
-    of the gate/up and the down launch (default: `splits`, one each unless DECODE_PROGRAMS is set)."""
+              indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
+    """The routed experts' output [N, H] in x's dtype, through the two Triton kernels. (A K split for decode
+    blocks, partial sums added atomically, was measured on the H200 and did not pay: 3-12% slower at batch
+    1, within noise at 32; removed.)"""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_down_kernel, moe_gate_up_kernel
@@ -150,23 +134,15 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     k_gate, k_down = packed_block_k(gate.bits, block_m, block_k), packed_block_k(down.bits, block_m, block_k)
     block_n = block_n or (DECODE_BLOCK_N if gate.bits and block_m <= 16 else BLOCK_N)
     tiles_gate, tiles_down = triton.cdiv(inter, block_n), triton.cdiv(hidden, block_n)
-    split_gate, split_down = split_k or (splits(gate, block_m, slots, tiles_gate, k_gate),
-                                         splits(down, block_m, slots, tiles_down, k_down))
-    per_gate, split_gate = wna16.split_range(hidden, k_gate, split_gate)
-    per_down, split_down = wna16.split_range(inter, k_down, split_down)
 
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    partial = torch.zeros(2, slots, inter, dtype=torch.float32, device=x.device) if split_gate > 1 else act
-    moe_gate_up_kernel[(blocks, tiles_gate, split_gate)](
-        x, *_pointers(gate), *_pointers(up), act, partial, sorted_ids, block_expert, slots, num_experts, hidden, inter,
-        top_k, max(gate.group_size, 1), per_gate, BITS=gate.bits, HAS_ZERO=gate.zero is not None,
-        SPANS=_spans(gate, k_gate), ATOMIC=split_gate > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_gate)
-    if split_gate > 1:  # every split is in: SiLU(gate) * up, as the single-split epilogue computes it
-        act = (F.silu(partial[0]) * partial[1]).to(x.dtype)
-    out = (torch.zeros if split_down > 1 else torch.empty)(slots, hidden, device=x.device,
-                                                           dtype=torch.float32 if split_down > 1 else x.dtype)
-    moe_down_kernel[(blocks, tiles_down, split_down)](
+    moe_gate_up_kernel[(blocks, tiles_gate)](
+        x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, slots, num_experts, hidden, inter,
+        top_k, max(gate.group_size, 1), BITS=gate.bits, HAS_ZERO=gate.zero is not None,
+        SPANS=_spans(gate, k_gate), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_gate)
+    out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
+    moe_down_kernel[(blocks, tiles_down)](
         act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(), slots,
-        num_experts, hidden, inter, max(down.group_size, 1), per_down, BITS=down.bits, HAS_ZERO=down.zero is not None,
-        SPANS=_spans(down, k_down), ATOMIC=split_down > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
+        num_experts, hidden, inter, max(down.group_size, 1), BITS=down.bits, HAS_ZERO=down.zero is not None,
+        SPANS=_spans(down, k_down), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
     return out.view(n, top_k, hidden).sum(1).to(x.dtype)
