@@ -2,8 +2,8 @@
 into the kernel layout) against unpacking them to int8 and packing again, the path before.
 
 On the H200, `serve` loaded the 6.7B W4A16 model at 83 MB/s against 730 MB/s for bf16 (cold_start.py;
-that run's result file was not kept), and the repack was the difference. This measures both paths in one run, alternating, on the CPU:
-DeepSeek-Coder-6.7B layers (random weights, RTN W4A16 g128), page cache warm, median of rounds.
+that run's result file was not kept), and the repack was the difference. This measures both paths in
+one run, alternating, on the CPU: DeepSeek-Coder-6.7B layers (random weights, RTN W4A16 g128), page cache warm, median of rounds.
 
     .venv/bin/python benchmarks/load_packed.py [--layers 4] [--rounds 3]
 """
@@ -31,8 +31,8 @@ def load_layers(path: Path, keep_packed: bool) -> tuple[float, int]:
 
     read_linear = CompressedTensorsReader.read_linear
     if not keep_packed:  # the reference: the reader unpacks, the runtime packs again
-        CompressedTensorsReader.read_linear = lambda self, name, tensors, keep_packed=False: read_linear(
-            self, name, tensors)
+        CompressedTensorsReader.read_linear = lambda self, name, tensors, keep_packed=False, where=None: read_linear(
+            self, name, tensors, where=where)
     try:
         ck = Checkpoint(path)
         stored = sum(t.numel() * t.element_size() for i in ck.layer_tensors for t in ck.read(ck.layer_tensors[i]).values())
