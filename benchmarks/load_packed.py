@@ -3,7 +3,8 @@ into the kernel layout) against unpacking them to int8 and packing again, the pa
 
 On the H200, `serve` loaded the 6.7B W4A16 model at 83 MB/s against 730 MB/s for bf16 (cold_start.py;
 that run's result file was not kept), and the repack was the difference. This measures both paths in
-one run, alternating, on the CPU: DeepSeek-Coder-6.7B layers (random weights, RTN W4A16 g128), page cache warm, median of rounds.
+one run, alternating, on the CPU: DeepSeek-Coder-6.7B layers (random weights, RTN W4A16 g128), page
+cache warm, median of rounds.
 
     .venv/bin/python benchmarks/load_packed.py [--layers 4] [--rounds 3]
 """
