@@ -118,6 +118,18 @@ INCONSISTENT = [
 ]
 
 
+def test_channel_scales_stored_flat_or_per_tensor_are_read_as_columns(quants):
+    """Other writers store per-channel scales 1-D, or one scale for the whole tensor: the same grid."""
+    ck = Checkpoint(quants["W8A8"])
+    assert ck.quantized.groups[0]["weights"]["strategy"] == "channel"
+    stored = _module_tensors(ck, DOWN)
+    column, _ = ck.quantized.read_linear(DOWN, dict(stored))
+    flat, _ = ck.quantized.read_linear(DOWN, dict(stored, weight_scale=stored["weight_scale"].flatten()))
+    assert column.scale.shape == (column.values.shape[0], 1) and torch.equal(flat.scale, column.scale)
+    single, _ = ck.quantized.read_linear(DOWN, dict(stored, weight_scale=stored["weight_scale"][0].clone()))
+    assert single.scale.shape == column.scale.shape and bool((single.scale == stored["weight_scale"][0]).all())
+
+
 @pytest.mark.parametrize("scheme, corrupt, expected", INCONSISTENT)
 def test_inconsistent_quantized_tensors_are_refused_by_name(quants, tmp_path, capsys, scheme, corrupt, expected):
     """Through a real command: one line naming the module, the problem and the shard that holds it."""

@@ -259,7 +259,8 @@ def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant, module_name: str
                 refuse(f"packed weight_zero_point has shape {list(zero.shape)}, the scales imply "
                        f"{[-(-shape[0] // (32 // args.num_bits)), scale.shape[1]]}")
             zero = unpack_from_int32(zero, args.num_bits, scale.shape, packed_dim=0)
-        zero = zero.reshape(-1, 1).expand(shape[0], 1) if zero.numel() == 1 and scale.shape[1] == 1 else zero
+        if scale.shape[1] == 1 and zero.numel() in (1, shape[0]):  # per tensor, or per channel stored 1-D
+            zero = zero.reshape(-1, 1).expand(shape[0], 1)
         if zero.shape != scale.shape:
             refuse(f"weight_zero_point has shape {list(zero.shape)}, weight_scale {list(scale.shape)}")
         zero = zero.to(torch.int8).contiguous()
@@ -271,10 +272,13 @@ def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant, module_name: str
 
 
 def _checked_scale(scale: torch.Tensor, shape: torch.Size, args: WeightQuant, refuse) -> torch.Tensor:
-    """weight_scale as [out, groups]: a per-tensor scale becomes one per output (the same grid), and the
-    number of groups must be what the config's strategy and group size give for this weight."""
+    """weight_scale as [out, groups]: a per-tensor scale becomes one per output (the same grid), one per
+    channel stored 1-D a column, and the number of groups must be what the config's strategy and group
+    size give for this weight."""
     if scale.numel() == 1 and args.strategy in ("tensor", "channel"):
         return scale.reshape(1, 1).expand(shape[0], 1).contiguous()
+    if scale.dim() == 1 and scale.numel() == shape[0] and args.strategy == "channel":
+        return scale.reshape(-1, 1)
     if args.strategy == "group":
         if not args.group_size or args.group_size < 1:
             refuse("the config's group strategy has no group_size")
