@@ -1,6 +1,8 @@
 """GGUF export: block layouts against gguf-py's reader, llama.cpp's type mix, lossless mapping of our
 integers, the files as gguf-py and transformers read them, verify on a GGUF, bad input."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -129,6 +131,26 @@ def _assert_same_weights(ck: Checkpoint, gguf_path):
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name
+
+
+def test_info_describes_a_gguf_file_from_its_metadata(tiny_q4, tmp_path, capsys):
+    _, result = tiny_q4
+    assert main(["info", str(result.path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    reader = gguf.GGUFReader(result.path)
+    assert info["format"] == "gguf" and info["file_type"] == "Q4_0" and info["gguf_architecture"] == "deepseek2"
+    assert info["architecture"] == "DeepseekV3ForCausalLM" and info["layers"] == 8
+    assert info["parameters"] == sum(int(np.prod(t.shape)) for t in reader.tensors)
+    assert sum(info["tensor_types"].values()) == len(reader.tensors) and info["tensor_types"]["Q4_0"] > 0
+    assert 4.5 <= info["bits_per_weight"] < 16  # Q4_0 is 4.5 bits; the file keeps norms (and more) wider
+    assert info["tokenizer"]["model"] == "gpt2" and info["size_bytes"] == result.path.stat().st_size
+    assert main(["info", str(result.path)]) == 0
+    assert "GGUF, file type Q4_0" in capsys.readouterr().out
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(result.path.read_bytes()[:1000])
+    assert main(["info", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "broken.gguf: unreadable GGUF file" in err
 
 
 def test_w4a16_g32_exports_to_q4_0_bit_for_bit(tiny_q4):

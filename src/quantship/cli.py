@@ -76,10 +76,43 @@ def _serving_memory(path) -> dict:
     return {"dtype": "bfloat16", "weight_bytes": memory.weight_bytes, "decode_copy_bytes": memory.decode_copy_bytes}
 
 
+def _gguf_info(path: str, as_json: bool) -> int:
+    from quantship.formats.gguf_read import gguf_info
+
+    info = gguf_info(path)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    tokenizer = info["tokenizer"]
+    rows = [
+        ("path", info["path"]),
+        ("format", f"GGUF, file type {info['file_type']} ({info['bits_per_weight']:.2f} bits per weight)"),
+        ("architecture", f"{info['gguf_architecture']} in llama.cpp, {info['architecture']} in quantship"),
+        ("parameters", _human_count(info["parameters"])),
+        ("layers", str(info["layers"])),
+        ("context", f"{info['max_position_embeddings']} tokens"),
+        ("size on disk", _human_bytes(info["size_bytes"])),
+        ("tensor types", ", ".join(f"{n} {t}" for t, n in info["tensor_types"].items())),
+        ("tokenizer", f"{tokenizer['model']}, pre-tokenizer {tokenizer['pre']}"
+                      + (", chat template" if tokenizer["chat_template"] else "")),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/bold]", value)
+    Console().print(table)
+    return 0
+
+
 def cmd_info(args) -> int:
+    from quantship.formats.gguf_read import is_gguf
     from quantship.models.bundled import resolve_model
     from quantship.models.info import model_info
 
+    if args.model is not None and is_gguf(args.model):  # a file llama.cpp serves: described from its metadata
+        return _gguf_info(args.model, args.json)
     path = resolve_model(args.model)
     info = model_info(path)
     info["serving"] = _serving_memory(path)
@@ -401,6 +434,7 @@ EXAMPLES = {
     "info": """
         quantship info                       # the bundled tiny DeepSeek-V3
         quantship info /models/DeepSeek-V2-Lite --json
+        quantship info tiny-q4km.gguf                        # a GGUF file: file type, tensor types, tokenizer
     """,
     "generate": """
         quantship generate --prompt 'def fibonacci(n):' --max-tokens 64
@@ -490,8 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=func)
         return p
 
-    p = add("info", "Describe a checkpoint: architecture, parameters, experts, size, quantization.", cmd_info)
-    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
+    p = add("info", "Describe a checkpoint: architecture, parameters, experts, size, quantization (or a GGUF "
+                    "file: its type, tensor types, tokenizer).", cmd_info)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL_OR_GGUF")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
     p = add("generate", "Generate text with quantship's model definition (simple loop, one request).", cmd_generate)

@@ -133,6 +133,36 @@ class GGUFCheckpoint:
         return model.eval().requires_grad_(False)
 
 
+def gguf_info(path: str | Path) -> dict:
+    """`quantship info` of a GGUF file: what llama.cpp reads (architecture, file type, tensor types,
+    bits per weight, tokenizer) and the model quantship sees in it; nothing is dequantized."""
+    ck = GGUFCheckpoint(path)
+    c = ck.config
+    parameters = sum(int(np.prod(t.shape)) for t in ck.tensors.values())
+    weight_bytes = sum(int(t.n_bytes) for t in ck.tensors.values())
+    types: dict[str, int] = {}
+    for name in ck.types().values():
+        types[name] = types.get(name, 0) + 1
+    return {
+        "path": str(ck.path.resolve()),
+        "format": "gguf",
+        "gguf_architecture": ck.fields.get(gguf.Keys.General.ARCHITECTURE),
+        "architecture": c.architecture,
+        "name": ck.fields.get(gguf.Keys.General.NAME),
+        "file_type": ck.file_type,
+        "parameters": parameters,
+        "layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "size_bytes": ck.path.stat().st_size,
+        "bits_per_weight": 8 * weight_bytes / max(parameters, 1),
+        "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1])),
+        "tokenizer": {"model": ck.fields.get(gguf.Keys.Tokenizer.MODEL), "pre": ck.fields.get(gguf.Keys.Tokenizer.PRE),
+                      "chat_template": gguf.Keys.Tokenizer.CHAT_TEMPLATE in ck.fields},
+    }
+
+
 def open_checkpoint(model: str | Path | None):
     """A model directory (or 'tiny') as a Checkpoint, or a .gguf file as a GGUFCheckpoint; (path, checkpoint)."""
     from quantship.models.bundled import resolve_model
