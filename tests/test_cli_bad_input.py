@@ -3,6 +3,7 @@
 the interrupt paths: SIGTERM cleans up like Ctrl-C, and outputs are readable by other users."""
 
 import io
+import json
 import os
 import shutil
 import signal
@@ -76,7 +77,20 @@ CASES = [
     ("verify tiny tiny --report {tmp}/r --ctx 4096", "--ctx must be in 2..2048"),
     # checkpoints that only a load would have refused
     ("info {tmp}/truncated", "truncated safetensors file"),
+    ("info {tmp}/unknown-dtype", "corrupt safetensors header"),  # a dtype safetensors does not know
+    ("info {tmp}/wrong-shape", "corrupt safetensors header"),  # a shape its bytes do not hold
 ]
+
+
+def _edit_header(shard: Path, edit) -> None:
+    """Rewrite the first tensor's entry of a shard's header, keeping the file's length consistent."""
+    raw = shard.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    edit(header[next(k for k in header if k != "__metadata__")])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
 
 
 def inputs(tmp: Path, case: str) -> None:
@@ -86,6 +100,11 @@ def inputs(tmp: Path, case: str) -> None:
         shutil.copytree(TINY_DIR, tmp / "truncated")
         shard = tmp / "truncated" / "model-00002-of-00003.safetensors"
         os.truncate(shard, shard.stat().st_size // 2)  # an interrupted download
+    for name, edit in (("unknown-dtype", lambda entry: entry.update(dtype="Q9")),
+                       ("wrong-shape", lambda entry: entry.update(shape=[3, 3]))):
+        if name in case:
+            shutil.copytree(TINY_DIR, tmp / name)
+            _edit_header(tmp / name / "model-00001-of-00003.safetensors", edit)
 
 
 def tree(root: Path) -> dict[str, int]:

@@ -108,6 +108,16 @@ def test_nan_weights(v3_dir):
     assert "kv_b_proj" in msg and "NaN" in msg
 
 
+def test_integer_weights_are_refused(v3_dir):
+    """A float weight stored as integers (a damaged header, a mix-up) would load as garbage values."""
+    path = v3_dir / "model.safetensors"
+    original = load_file(path)
+    for name, dtype in (("model.layers.2.self_attn.kv_b_proj.weight", torch.int16), ("model.norm.weight", torch.int32)):
+        save_file({**original, name: original[name].to(dtype)}, path, metadata={"format": "pt"})
+        msg = _error(v3_dir)
+        assert f"{name} is stored as {dtype}" in msg and "model.safetensors" in msg, msg
+
+
 def test_pickle_checkpoint_is_refused_unopened(v3_dir):
     (v3_dir / "model.safetensors").unlink()
     # Not a valid pickle at all: a loader that tried to unpickle would fail differently.

@@ -109,6 +109,7 @@ INCONSISTENT = [
     ("W4A16", lambda t: t.update(weight_scale=t["weight_scale"][:, :-1]), "weight_scale has shape"),
     ("W4A16", lambda t: t.update(weight_scale=t["weight_scale"][:-1]), "weight_scale has shape"),
     ("W4A16", lambda t: t.pop("weight_packed"), "needs weight_scale and weight_packed"),
+    ("W4A16", lambda t: t.update(weight_scale=t["weight_scale"].to(torch.int16)), "scales must be floating point"),
     ("W4A16", lambda t: t.update(weight_g_idx=torch.full((t["weight_shape"][1],), 99, dtype=torch.int32)),
      "weight_g_idx must hold"),
     ("W4A16_ASYM", lambda t: t.update(weight_zero_point=t["weight_zero_point"][:-1]),

@@ -275,6 +275,8 @@ def _checked_scale(scale: torch.Tensor, shape: torch.Size, args: WeightQuant, re
     """weight_scale as [out, groups]: a per-tensor scale becomes one per output (the same grid), one per
     channel stored 1-D a column, and the number of groups must be what the config's strategy and group
     size give for this weight."""
+    if not scale.is_floating_point():
+        refuse(f"weight_scale is stored as {scale.dtype}, scales must be floating point")
     if scale.numel() == 1 and args.strategy in ("tensor", "channel"):
         return scale.reshape(1, 1).expand(shape[0], 1).contiguous()
     if scale.dim() == 1 and scale.numel() == shape[0] and args.strategy == "channel":

@@ -153,6 +153,9 @@ class Checkpoint:
         if missing:
             raise QuantshipError(f"{where}: missing tensor(s) {', '.join(missing[:3])}", self.path)
         for key, ref in expected.items():
+            if ref.is_floating_point() and not state[key].is_floating_point():  # a damaged header, or a mix-up
+                raise QuantshipError(f"{where}.{key} is stored as {state[key].dtype}, a weight must be floating point",
+                                     self.files.get(f"{where}.{key}", self.path))
             if tuple(state[key].shape) != tuple(ref.shape):
                 raise QuantshipError(
                     f"{where}.{key} has shape {list(state[key].shape)}, the config implies {list(ref.shape)}",
@@ -256,6 +259,9 @@ class Checkpoint:
                     f"{name} has shape {list(tensor.shape)}, the config implies {list(current.shape)}",
                     self.files.get(name, self.path),
                 )
+            if not tensor.is_floating_point():
+                raise QuantshipError(f"{name} is stored as {tensor.dtype}, a weight must be floating point",
+                                     self.files.get(name, self.path))
             setattr(target, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
         if self.config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

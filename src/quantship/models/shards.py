@@ -1,11 +1,14 @@
-"""Integrity of a safetensors shard without reading its tensors: the header parses and the file is
-exactly as long as the header says. A truncated download then fails `info` in one line instead of a
-load minutes later (safetensors refuses a file whose length differs from its header's)."""
+"""Integrity of a safetensors shard without reading its tensors: the header parses, the file is
+exactly as long as the header says, and safetensors itself accepts the header (known dtypes, each
+tensor's bytes matching its shape). A truncated download or a damaged header then fails `info` in one
+line instead of a load minutes later."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from quantship.errors import QuantshipError
 
@@ -29,3 +32,7 @@ def check_shard(path: Path) -> None:
     if 8 + length + data_bytes != size:
         raise QuantshipError(f"truncated safetensors file: its header describes {8 + length + data_bytes} bytes, "
                              f"the file holds {size}", path)
+    try:  # the rest of the header's rules are safetensors' own: let it judge (it reads only the header)
+        safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QuantshipError(f"corrupt safetensors header ({exc})", path) from None
