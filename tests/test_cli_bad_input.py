@@ -61,6 +61,8 @@ CASES = [
     ("serve --api-key-file {tmp}/missing-key", "cannot read the API key"),
     ("plan --budget-bits 2 -o {tmp}/p.json", "is below the smallest plan"),
     ("plan --budget-bits 5 --schemes W9A16 -o {tmp}/p.json", "unknown scheme 'W9A16'"),
+    ("quantize -o {tmp}/q --plan {tmp}/bad-scheme-plan.json", "model.layers.1.mlp.down_proj: unknown scheme 'W9A16'"),
+    ("quantize -o {tmp}/q --plan {tmp}/other-model-plan.json", "names 1 module(s) this model does not have"),
     # outputs that cannot be written: refused before any work
     (f"quantize -o {UNWRITABLE}", "cannot write the output directory"),
     ("quantize -o {tmp}/a-file/q", "is not a directory"),
@@ -96,6 +98,9 @@ def _edit_header(shard: Path, edit) -> None:
 def inputs(tmp: Path, case: str) -> None:
     (tmp / "a-file").write_text("not a directory")
     (tmp / "unknown-metric.yaml").write_text("gates:\n  - perplexity <= 10\n")
+    for name, module, scheme in (("bad-scheme", "model.layers.1.mlp.down_proj", "W9A16"),
+                                 ("other-model", "model.layers.99.mlp.down_proj", "W4A16")):
+        (tmp / f"{name}-plan.json").write_text(json.dumps({"modules": {module: scheme}}))
     if "truncated" in case:
         shutil.copytree(TINY_DIR, tmp / "truncated")
         shard = tmp / "truncated" / "model-00002-of-00003.safetensors"

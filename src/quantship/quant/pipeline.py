@@ -43,6 +43,7 @@ from quantship.quant import mtp as M
 from quantship.quant.calibrate import LayerStats, calibration_tokens, collect_stats, linear_names
 from quantship.quant.distributed import DiscardingWriter, UnrecordedRun, Workers, from_environment
 from quantship.quant.fp8_block import block_quantize
+from quantship.quant.plan import KEEPS_ORIGINAL
 from quantship.quant.resume import ResumableRun, source_fingerprint
 from quantship.quant.rtn import rtn_quantize
 from quantship.quant.scheme import DEFAULT_IGNORE, Scheme, get_scheme, is_ignored
@@ -150,14 +151,16 @@ def plan_schemes(ck: Checkpoint, opts: QuantizeOptions) -> tuple[dict[str, Schem
         base = base.with_actorder(opts.actorder)
     chosen: dict[str, Scheme] = {}
     group_fallbacks: dict[str, str] = {}
+    linears: set[str] = set()
     for i, layer, is_mtp in _target_layers(ck, opts):
         for name in linear_names(layer):
             full = f"model.layers.{i}.{name}"
+            linears.add(full)
             if is_ignored(full, ignore):
                 continue
             scheme = base
             if opts.plan is not None and not is_mtp:  # a plan covers the main layers; MTP takes --scheme
-                if full not in opts.plan or opts.plan[full] in ("none", "bf16", "fp16", "original"):
+                if full not in opts.plan or opts.plan[full].lower() in KEEPS_ORIGINAL:
                     continue
                 scheme = get_scheme(opts.plan[full])
                 if opts.actorder:
@@ -172,6 +175,10 @@ def plan_schemes(ck: Checkpoint, opts: QuantizeOptions) -> tuple[dict[str, Schem
                         "or add it to --ignore", ck.path)
                 group_fallbacks[full] = fitted.describe_weights()
             chosen[full] = fitted
+    unknown = sorted(set(opts.plan or {}) - linears)
+    if unknown:  # a plan made for another model (or edited by hand) would otherwise be half applied
+        raise QuantshipError(f"the plan names {len(unknown)} module(s) this model does not have ({unknown[0]}"
+                             f"{', ...' if len(unknown) > 1 else ''}): was it made for another model?", ck.path)
     if not chosen:
         raise QuantshipError("no Linear layer left to quantize (check --ignore)", ck.path)
     return chosen, group_fallbacks

@@ -15,6 +15,7 @@ from pathlib import Path
 from quantship.errors import QuantshipError
 
 ORIGINAL = "none"  # keep the original dtype
+KEEPS_ORIGINAL = (ORIGINAL, "bf16", "fp16", "original")  # what a plan may say for "not quantized"
 ORIGINAL_BITS = 16.0
 
 
@@ -77,4 +78,12 @@ def read_plan(path: Path) -> dict[str, str]:
     modules = data.get("modules") if isinstance(data, dict) else None
     if not isinstance(modules, dict) or not all(isinstance(v, str) for v in modules.values()):
         raise QuantshipError("expected an object 'modules' mapping module names to schemes", path)
+    from quantship.quant.scheme import get_scheme
+
+    for module, scheme in modules.items():
+        if scheme.lower() not in KEEPS_ORIGINAL:
+            try:
+                get_scheme(scheme)
+            except QuantshipError as exc:
+                raise QuantshipError(f"{module}: {exc.args[0]}", path) from None
     return modules
