@@ -291,13 +291,16 @@ def test_baseline_gate_passes_on_a_rerun_and_fails_on_a_slowed_server(stub, slow
     (["{stub}", "--model", "nope"], "does not exist"),
     (["{stub}", "--prompts", "{malformed}"], "not JSON"),
     (["{stub}", "--baseline", "{one_step}"], "step(s)"),  # a sweep against a one-step baseline
+    (["{stub}", "--baseline", "{numbers}"], "every entry of 'steps' must be an object"),
 ])
 def test_bad_input_is_one_line_and_exit_2(stub, baseline_run, tmp_path, capsys, args, message):
     malformed, gate = tmp_path / "bad.json", tmp_path / "gate.yaml"
     malformed.write_text("{not json")
     gate.write_text("metrics:\n  fastness: 5%\n")
+    numbers = tmp_path / "numbers.json"
+    numbers.write_text(json.dumps({"steps": [1, 2, 3, 4, 5, 6]}))
     values = {"stub": stub, "dead": free_port(), "malformed": malformed, "gate": gate,
-              "one_step": baseline_run / "bench.json"}
+              "one_step": baseline_run / "bench.json", "numbers": numbers}
     assert main(["bench", *(a.format(**values) for a in args), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("quantship bench: error:") and "\n" not in err and message in err

@@ -119,6 +119,8 @@ def read_result(path: Path) -> dict:
         raise QuantshipError(f"baseline is not valid JSON ({exc})", path) from None
     if not isinstance(data, dict) or not (isinstance(data.get("steps"), list) or "request_throughput" in data):
         raise QuantshipError("not a bench result: expected 'steps' (quantship) or 'request_throughput' (vLLM)", path)
+    if not all(isinstance(step, dict) for step in steps_of(data)):  # checked now, not after a whole run
+        raise QuantshipError("not a bench result: every entry of 'steps' must be an object", path)
     return data
 
 
