@@ -202,6 +202,21 @@ BROKEN = {
     "negative probe period": (lambda o: _edit(o / "base" / "deployment.yaml", "periodSeconds: 10",
                                               "periodSeconds: -10"),
                               "containers[0].startupProbe.periodSeconds: -10 is negative"),
+    # The API server's rules for names, labels and ports (deploy/object_meta.py).
+    "service name": (lambda o: _edit(o / "base" / "service.yaml", "  name: tiny\n", "  name: Tiny_Service\n"),
+                     "Service/Tiny_Service: metadata.name: 'Tiny_Service' is not a DNS-1035 label"),
+    "label value": (lambda o: _edit(o / "base" / "pdb.yaml", "app.kubernetes.io/version: 0.1.0",
+                                    "app.kubernetes.io/version: 0.1.0 (edited)"),
+                    "PodDisruptionBudget/tiny: metadata.labels['app.kubernetes.io/version']: label value "
+                    "'0.1.0 (edited)' is not valid"),
+    "annotation key": (lambda o: _edit(o / "base" / "deployment.yaml", "    quantship.io/version:",
+                                       "    quantship.io/bad key:"),
+                       "Deployment/tiny: metadata.annotations['quantship.io/bad key']: annotation key is not a "
+                       "qualified name"),
+    "probe port": (lambda o: _edit(o / "base" / "deployment.yaml", "port: http", "port: htp", 1),
+                   "containers[0].startupProbe.httpGet.port: no port named 'htp' in this container"),
+    "empty image": (lambda o: _edit(o / "base" / "deployment.yaml", "image: quantship-server:0.1.0", "image: ''"),
+                    "spec.template.spec.containers[0].image: empty"),
 }
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from quantship.deploy.canary import load_rules
 from quantship.deploy.checksums import MANIFEST_FILE, SUMS_FILE, sums_text
 from quantship.deploy.matching import parse_quantity
 from quantship.deploy.model import ModelFacts, read_model
+from quantship.deploy.object_meta import LABEL_VALUE, is_subdomain
 from quantship.deploy.serving import serving_plan
 from quantship.errors import QuantshipError
 from quantship.files import check_output_location, publish_directory
@@ -105,21 +105,16 @@ def dump(objects: list[dict] | dict, header: str = "") -> str:
     return (f"# {header}\n" if header else "") + body
 
 
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
 def check_strings(opts: DeployOptions) -> None:
     """Values copied into the manifests verbatim: refused here in one line, instead of failing our own
     validation afterwards or, worse, the API server's."""
     for flag, value in (("--cpu", opts.cpu), ("--memory", opts.memory)):
         if value is not None and not (parse_quantity(value) or 0) > 0:
             raise QuantshipError(f"{flag} {value!r} is not a positive Kubernetes quantity (e.g. 8, 500m, 64Gi)")
-    if not _LABEL_VALUE.fullmatch(opts.gpu_type):
+    if not LABEL_VALUE.fullmatch(opts.gpu_type):
         raise QuantshipError(f"--gpu-type {opts.gpu_type!r} is not a valid label value (63 characters at most: "
                              "letters, digits, '-', '_', '.'), as nvidia.com/gpu.product needs")
-    if opts.storage_class is not None and not (_DNS_SUBDOMAIN.fullmatch(opts.storage_class)
-                                               and len(opts.storage_class) <= 253):
+    if opts.storage_class is not None and not is_subdomain(opts.storage_class):
         raise QuantshipError(f"--storage-class {opts.storage_class!r} is not a DNS-1123 subdomain (lowercase "
                              "letters, digits, '-', '.')")
     if opts.image is not None and (not opts.image or any(c.isspace() for c in opts.image)):

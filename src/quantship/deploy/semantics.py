@@ -1,6 +1,7 @@
 """Checks across the objects of one build that no schema can express: selectors that select the
 pods, Guaranteed QoS, a startup budget that covers the model's load, probes, GPU scheduling,
-references between objects, and an autoscaler whose metric some prometheus-adapter rule serves.
+references between objects, and an autoscaler whose metric some prometheus-adapter rule serves
+(bounds.py: numbers the API server refuses; object_meta.py: its rules for names, labels and ports).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from quantship.deploy.bounds import check_bounds
 from quantship.deploy.kustomize import Doc
 from quantship.deploy.manifests import ANNOTATION
 from quantship.deploy.matching import adapter_metrics, parse_quantity, selects
+from quantship.deploy.object_meta import check_object_meta
 from quantship.deploy.sizing import load_estimate_s
 
 STARTUP_KEYS = ("model-size-bytes", "load-bandwidth-bytes-per-second", "warmup-seconds")
@@ -58,6 +60,7 @@ class Checker:
             if check:
                 check(doc)
         check_bounds(self)
+        check_object_meta(self)
         return self.problems
 
     def check_workload(self, doc: Doc, template: dict) -> None:
