@@ -2,11 +2,11 @@
 from checkpoints as QuantizedTensors; `runtime_linear` turns one into the layer that runs it.
 
 Weight-only integer weights (W4A16, W8A16) are held packed (PackedLinear: 8 or 4 values per int32,
-in the kernel layout of kernels/wna16.py: the checkpoint's words transposed at load); on CUDA the forward runs the fused
-Triton kernel, elsewhere it dequantizes and calls F.linear. Everything else (float8, W8A8, act-order
-g_idx) stays one value per byte (QuantLinear) and dequantizes inside the layer. W8A8/FP8 schemes
-also quantize activations per token on the fly, as vLLM does, so measured fidelity matches what is
-served.
+in the kernel layout of kernels/wna16.py: the checkpoint's words transposed at load); on CUDA the
+forward runs the fused Triton kernel, elsewhere it dequantizes and calls F.linear. Everything else
+(float8, W8A8, act-order g_idx) stays one value per byte (QuantLinear) and dequantizes inside the
+layer. W8A8/FP8 schemes also quantize activations per token on the fly, as vLLM does, so measured
+fidelity matches what is served.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ def check_shard(path: Path) -> None:
         raise QuantshipError(f"truncated safetensors file: its header describes {8 + length + data_bytes} bytes, "
                              f"the file holds {size}", path)
     try:  # the rest of the header's rules are safetensors' own: let it judge (it reads only the header)
-        safe_open(str(path), framework="pt", device="cpu")
+        with safe_open(str(path), framework="pt", device="cpu"):
+            pass
     except (SafetensorError, OSError, ValueError) as exc:
         raise QuantshipError(f"corrupt safetensors header ({exc})", path) from None

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from quantship.errors import QuantshipError
+from quantship.quant.scheme import get_scheme
 
 ORIGINAL = "none"  # keep the original dtype
 KEEPS_ORIGINAL = (ORIGINAL, "bf16", "fp16", "original")  # what a plan may say for "not quantized"
@@ -78,8 +79,6 @@ def read_plan(path: Path) -> dict[str, str]:
     modules = data.get("modules") if isinstance(data, dict) else None
     if not isinstance(modules, dict) or not all(isinstance(v, str) for v in modules.values()):
         raise QuantshipError("expected an object 'modules' mapping module names to schemes", path)
-    from quantship.quant.scheme import get_scheme
-
     for module, scheme in modules.items():
         if scheme.lower() not in KEEPS_ORIGINAL:
             try:
