@@ -3,6 +3,7 @@ compared with our model definition on the same weights."""
 
 import hashlib
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -358,6 +359,27 @@ def test_int8_static_deepseek_experts_without_tokens(tmp_path, tiny_fp32):
         layer = name.split(".mlp.")[0]
         if not name.endswith("down_proj"):
             assert ranges[name] == ranges[f"{layer}.mlp.shared_experts.gate_proj"]
+
+
+def test_info_describes_an_export_from_its_own_files(llama_fp32, tmp_path, capsys):
+    assert main(["info", str(llama_fp32), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    graph = onnx.load(str(llama_fp32 / "model.onnx"), load_external_data=False).graph
+    written = json.loads((llama_fp32 / "quantship_onnx.json").read_text())
+    assert info["format"] == "onnx" and info["type"] == "fp32" and info["architecture"] == "LlamaForCausalLM"
+    assert info["nodes"] == len(graph.node) and sum(info["operators"].values()) == len(graph.node)
+    assert info["linears"] == written["linears"] and info["layers"] == 2
+    assert info["size_bytes"] == sum(f.stat().st_size for f in llama_fp32.iterdir())
+    assert main(["info", str(llama_fp32)]) == 0
+    assert "ONNX export, type fp32" in capsys.readouterr().out
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_fp32, broken)
+    for name, text, expected in (("quantship_onnx.json", '{"linears": 5}', "linears must be a JSON object"),
+                                 ("model.onnx", "not a protobuf", "unreadable ONNX export")):
+        (broken / name).write_text(text)
+        assert main(["info", str(broken)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
 
 
 def test_verify_takes_an_onnx_export_as_quant(llama_dir, llama_fp32):

@@ -76,6 +76,16 @@ def _serving_memory(path) -> dict:
     return {"dtype": "bfloat16", "weight_bytes": memory.weight_bytes, "decode_copy_bytes": memory.decode_copy_bytes}
 
 
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/bold]", value)
+    Console().print(table)
+
+
 def _gguf_info(path: str, as_json: bool) -> int:
     from quantship.formats.gguf_read import gguf_info
 
@@ -83,11 +93,8 @@ def _gguf_info(path: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(info, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
     tokenizer = info["tokenizer"]
-    rows = [
+    _print_rows([
         ("path", info["path"]),
         ("format", f"GGUF, file type {info['file_type']} ({info['bits_per_weight']:.2f} bits per weight)"),
         ("architecture", f"{info['gguf_architecture']} in llama.cpp, {info['architecture']} in quantship"),
@@ -98,31 +105,49 @@ def _gguf_info(path: str, as_json: bool) -> int:
         ("tensor types", ", ".join(f"{n} {t}" for t, n in info["tensor_types"].items())),
         ("tokenizer", f"{tokenizer['model']}, pre-tokenizer {tokenizer['pre']}"
                       + (", chat template" if tokenizer["chat_template"] else "")),
-    ]
-    table = Table(show_header=False, box=None, pad_edge=False)
-    for key, value in rows:
-        table.add_row(f"[bold]{key}[/bold]", value)
-    Console().print(table)
+    ])
+    return 0
+
+
+def _onnx_info(path: str, as_json: bool) -> int:
+    from quantship.formats.onnx import onnx_info
+
+    info = onnx_info(path)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    linears = ", ".join(f"{n} {kind}" for kind, n in (info["linears"] or {}).items())
+    _print_rows([
+        ("path", info["path"]),
+        ("format", f"ONNX export, type {info['type']} (written by {info['writer']} from {info['source']})"),
+        ("architecture", info["architecture"]),
+        ("layers", str(info["layers"])),
+        ("context", f"{info['max_position_embeddings']} tokens"),
+        ("size on disk", _human_bytes(info["size_bytes"])),
+        ("graph", f"{info['nodes']} nodes, {info['inputs']} inputs, {info['outputs']} outputs (KV cache: "
+                  f"{', '.join(info['cache'] or [])})"),
+        ("linears", linears),
+        ("operators", ", ".join(f"{n} {op}" for op, n in list(info["operators"].items())[:6])),
+    ])
     return 0
 
 
 def cmd_info(args) -> int:
     from quantship.formats.gguf_read import is_gguf
+    from quantship.formats.onnx import is_onnx_export
     from quantship.models.bundled import resolve_model
     from quantship.models.info import model_info
 
     if args.model is not None and is_gguf(args.model):  # a file llama.cpp serves: described from its metadata
         return _gguf_info(args.model, args.json)
+    if args.model is not None and is_onnx_export(args.model):  # an export directory ONNX Runtime runs
+        return _onnx_info(args.model, args.json)
     path = resolve_model(args.model)
     info = model_info(path)
     info["serving"] = _serving_memory(path)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None, pad_edge=False)
     rows = [
         ("path", info["path"]),
         ("architecture", info["architecture"]),
@@ -157,9 +182,7 @@ def cmd_info(args) -> int:
     ]
     if "eval_text" in info:
         rows += [("eval_text", info["eval_text"]), ("calib_text", info["calib_text"])]
-    for key, value in rows:
-        table.add_row(f"[bold]{key}[/bold]", value)
-    Console().print(table)
+    _print_rows(rows)
     return 0
 
 
@@ -435,6 +458,7 @@ EXAMPLES = {
         quantship info                       # the bundled tiny DeepSeek-V3
         quantship info /models/DeepSeek-V2-Lite --json
         quantship info tiny-q4km.gguf                        # a GGUF file: file type, tensor types, tokenizer
+        quantship info tiny-onnx-int4                        # an ONNX export: type, graph, operators
     """,
     "generate": """
         quantship generate --prompt 'def fibonacci(n):' --max-tokens 64
@@ -525,8 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("info", "Describe a checkpoint: architecture, parameters, experts, size, quantization (or a GGUF "
-                    "file: its type, tensor types, tokenizer).", cmd_info)
-    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL_OR_GGUF")
+                    "file or an ONNX export: its type, tensors or graph, tokenizer).", cmd_info)
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
     p = add("generate", "Generate text with quantship's model definition (simple loop, one request).", cmd_generate)

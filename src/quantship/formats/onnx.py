@@ -43,6 +43,7 @@ MODEL_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 INFO_FILE, GENAI_FILE, SUMS_FILE = "quantship_onnx.json", "genai_config.json", "SHA256SUMS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "tokenizer.model")
+JSON_NAMES = {str: "string", list: "list", dict: "object"}
 GENAI_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
@@ -175,6 +176,41 @@ def _write_side_files(ck: Checkpoint, directory: Path, kind: str, how: dict, cal
 def is_onnx_export(path: str | Path) -> bool:
     path = Path(path)
     return path.is_dir() and (path / MODEL_FILE).is_file() and (path / INFO_FILE).is_file()
+
+
+def onnx_info(path: str | Path) -> dict:
+    """`quantship info` of an export directory, from its own files (quantship_onnx.json, config.json,
+    the graph's inputs and operators); the weights in model.onnx.data are not read."""
+    from collections import Counter
+
+    from google.protobuf.message import DecodeError
+
+    from quantship.models.config import load_config
+
+    path = Path(path)
+    try:
+        written = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+        graph = onnx.load(str(path / MODEL_FILE), load_external_data=False).graph
+    except (OSError, ValueError, DecodeError) as exc:
+        raise QuantshipError(f"unreadable ONNX export ({exc})", path) from None
+    expected = {"type": str, "writer": str, "source": str, "cache": list, "linears": dict}
+    if not isinstance(written, dict):
+        raise QuantshipError(f"{INFO_FILE} must hold an object", path)
+    for key, kind in expected.items():
+        if not isinstance(written.get(key, kind()), kind):
+            raise QuantshipError(f"{INFO_FILE}: {key} must be a JSON {JSON_NAMES[kind]}", path)
+    config = load_config(path)
+    operators = Counter(node.op_type for node in graph.node)
+    return {
+        "path": str(path.resolve()), "format": "onnx", "type": written.get("type"),
+        "architecture": config.architecture, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
+        "size_bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        "writer": written.get("writer"), "source": written.get("source"), "cache": written.get("cache"),
+        "linears": written.get("linears"), "calibration": written.get("calibration"),
+        "nodes": len(graph.node), "inputs": len(graph.input), "outputs": len(graph.output),
+        "operators": dict(operators.most_common()),
+    }
 
 
 def summary_lines(result: OnnxExportResult) -> list[str]:
