@@ -82,6 +82,8 @@ def test_loader_takes_stored_words_without_repacking(quants, scheme):
     kept, _ = ck.quantized.read_linear(name, dict(stored), keep_packed=True)
     unpacked, _ = ck.quantized.read_linear(name, dict(stored))
     assert kept.values is None and kept.packed_rows is stored["weight_packed"]
+    assert torch.equal(kept.integer_values(), unpacked.values)  # compressed-tensors' own unpacking
+    assert torch.equal(kept.dequantize(), unpacked.dequantize())
     fast, slow = runtime_linear(kept), runtime_linear(unpacked)
     assert isinstance(fast, PackedLinear) and fast.in_features == slow.in_features == unpacked.values.shape[1]
     assert fast.state_dict().keys() == slow.state_dict().keys()

@@ -72,7 +72,16 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.args.strategy == "block":
             return dequantize_blocks(self.values, self.scale, self.args.block, dtype)
-        return dequantize(self.values, self.scale, self.zero_point, self.g_idx).to(dtype)
+        return dequantize(self.integer_values(), self.scale, self.zero_point, self.g_idx).to(dtype)
+
+    def integer_values(self) -> torch.Tensor:
+        """values, unpacked from packed_rows where they were kept packed."""
+        if self.values is not None:
+            return self.values
+        bits = self.args.num_bits
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=self.packed_rows.device)
+        unsigned = (self.packed_rows[:, :, None] >> shifts) & ((1 << bits) - 1)
+        return (unsigned.reshape(self.packed_rows.shape[0], -1) - (1 << (bits - 1))).to(torch.int8)
 
 
 def expand_groups(t: torch.Tensor, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:

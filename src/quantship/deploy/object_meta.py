@@ -56,10 +56,6 @@ def _meta(checker, doc, meta: dict, where: str, name_rule=None) -> None:
             checker.fail(doc, f"{where}.annotations[{key!r}]", f"annotation key {problem}")
 
 
-def _port_named(ref, names: set[str]) -> bool:
-    return not isinstance(ref, str) or ref in names
-
-
 def _containers(checker, doc, pod: dict) -> None:
     for group in ("initContainers", "containers"):
         for i, c in enumerate(pod.get(group) or []):
@@ -79,21 +75,24 @@ def _containers(checker, doc, pod: dict) -> None:
                     checker.fail(doc, f"{where}.ports[{j}].name", f"{name!r} is not a port name (15 characters at "
                                  "most: lowercase letters, digits and '-', at least one letter)")
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                action = (c.get(probe) or {}).get("httpGet") or (c.get(probe) or {}).get("tcpSocket") or {}
-                kind = "httpGet" if "httpGet" in (c.get(probe) or {}) else "tcpSocket"
-                if "port" in action and not _port_named(action["port"], names):
-                    checker.fail(doc, f"{where}.{probe}.{kind}.port",
-                                 f"no port named {action['port']!r} in this container: the probe would never pass")
+                for kind in ("httpGet", "tcpSocket"):
+                    port = ((c.get(probe) or {}).get(kind) or {}).get("port")
+                    if isinstance(port, str) and port not in names:  # a number needs no declared port
+                        checker.fail(doc, f"{where}.{probe}.{kind}.port",
+                                     f"no port named {port!r} in this container: the probe would never pass")
+
+
+SERVICE_NAME = (lambda n: DNS_1035_LABEL.fullmatch(n) is not None,
+                "DNS-1035 label (a Service name: a lowercase letter first, then letters, digits, '-', 63 at most)")
+OBJECT_NAME = (is_subdomain, "DNS-1123 subdomain (lowercase letters, digits, '-', '.', 253 at most)")
 
 
 def check_object_meta(checker) -> None:
     for doc in checker.objects:
         if doc.kind in NOT_API_OBJECTS:
             continue
-        rule = ((lambda n: DNS_1035_LABEL.fullmatch(n) is not None, "DNS-1035 label (a Service name: a lowercase "
-                 "letter first, then letters, digits, '-', 63 at most)") if doc.kind == "Service"
-                else (is_subdomain, "DNS-1123 subdomain (lowercase letters, digits, '-', '.', 253 at most)"))
-        _meta(checker, doc, doc.data.get("metadata") or {}, "metadata", rule)
+        _meta(checker, doc, doc.data.get("metadata") or {}, "metadata",
+              SERVICE_NAME if doc.kind == "Service" else OBJECT_NAME)
         selector = checker.spec(doc).get("selector")
         if isinstance(selector, dict):  # a Service selects by labels, the workloads by matchLabels
             service = doc.kind == "Service"

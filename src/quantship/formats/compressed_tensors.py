@@ -236,13 +236,13 @@ def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant, module_name: str
     if "weight_scale" not in tensors or not ({"weight_packed", "weight"} & tensors.keys()):
         refuse("a quantized weight needs weight_scale and weight_packed (or weight)")
     packed = "weight_packed" in tensors
+    per_word = 32 // args.num_bits if packed else 0
     rows = values = None
     if packed:
         if args.type != "int":
             refuse(f"weight_packed holds integers, but the config gives {args.type} weights")
         shape, words = _packed_shape(tensors, args, refuse)
-        if (keep_packed and "weight_g_idx" not in tensors and args.type == "int"
-                and shape[1] % (32 // args.num_bits) == 0):
+        if keep_packed and "weight_g_idx" not in tensors and shape[1] % per_word == 0:
             rows = words  # unpacking to int8 and packing again was most of the time a W4A16 model took to load
         else:
             values = unpack_from_int32(words, args.num_bits, shape)
@@ -255,9 +255,9 @@ def unpack(tensors: dict[str, torch.Tensor], args: WeightQuant, module_name: str
     zero = tensors.pop("weight_zero_point", None)
     if zero is not None:
         if packed:  # pack-quantized zero points are packed along the output dim
-            if list(zero.shape) != [-(-shape[0] // (32 // args.num_bits)), scale.shape[1]]:
-                refuse(f"packed weight_zero_point has shape {list(zero.shape)}, the scales imply "
-                       f"{[-(-shape[0] // (32 // args.num_bits)), scale.shape[1]]}")
+            expected = [-(-shape[0] // per_word), scale.shape[1]]
+            if list(zero.shape) != expected:
+                refuse(f"packed weight_zero_point has shape {list(zero.shape)}, the scales imply {expected}")
             zero = unpack_from_int32(zero, args.num_bits, scale.shape, packed_dim=0)
         if scale.shape[1] == 1 and zero.numel() in (1, shape[0]):  # per tensor, or per channel stored 1-D
             zero = zero.reshape(-1, 1).expand(shape[0], 1)
@@ -281,12 +281,8 @@ def _checked_scale(scale: torch.Tensor, shape: torch.Size, args: WeightQuant, re
         return scale.reshape(1, 1).expand(shape[0], 1).contiguous()
     if scale.dim() == 1 and scale.numel() == shape[0] and args.strategy == "channel":
         return scale.reshape(-1, 1)
-    if args.strategy == "group":
-        if not args.group_size or args.group_size < 1:
-            refuse("the config's group strategy has no group_size")
-        groups = -(-shape[1] // args.group_size)
-    else:
-        groups = 1
+    # (a group strategy has a positive group_size: the reader's config check made sure)
+    groups = -(-shape[1] // args.group_size) if args.strategy == "group" else 1
     if list(scale.shape) != [shape[0], groups]:
         refuse(f"weight_scale has shape {list(scale.shape)}, the config implies {[shape[0], groups]} for a "
                f"weight of shape {list(shape)}")

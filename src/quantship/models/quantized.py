@@ -187,7 +187,7 @@ def runtime_linear(q: QuantizedTensor, activations: ActivationQuant | None = Non
         group_size = -(-in_features // q.scale.shape[1])
         if _packable(bits, group_size, in_features):
             return PackedLinear.from_rows(q.packed_rows, q.scale, q.zero_point, bits, group_size, bias)
-        q = replace(q, values=wna16.unpack(wna16.from_rows(q.packed_rows), bits, in_features), packed_rows=None)
+        q = replace(q, values=q.integer_values(), packed_rows=None)
     return quant_linear(q.values, q.scale, q.zero_point, q.g_idx, bias,
                         activations=activations.type if activations else None, bits=bits)
 
