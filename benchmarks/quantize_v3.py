@@ -12,7 +12,10 @@ On the GPU machine (about 35 GB of disk with --layers 5 and the MTP layer):
     PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 5 --methods rtn gptq awq --samples 128 512 \
         --out $OUT
 Here, to render the fetched JSON into BENCHMARKS.md:
-    .venv/bin/python benchmarks/quantize_v3.py render benchmarks/results/quantize_v3.json
+    .venv/bin/python benchmarks/quantize_v3.py render benchmarks/results/quantize_v3*.json
+512 samples of 2048 tokens fit a 10-minute device slot on 1 dense + 1 MoE layer:
+    PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 2 --dense-layers 1 --no-mtp --methods gptq awq \
+        --samples 512 --suffix _512 --out $OUT
 The same script on a CPU, on a V3-structured model of a few MB (checks the script, measures nothing):
     .venv/bin/python benchmarks/quantize_v3.py run --shape v3-smoke --device cpu --samples 8 --seq-len 64 \
         --methods rtn gptq --out /tmp/v3-smoke
@@ -79,14 +82,19 @@ def _random_tensors(module: torch.nn.Module, prefix: str, device: str, gen: torc
     return out
 
 
-def write_checkpoint(shape: str, layers: int, directory: Path, device: str, mtp: bool) -> dict:
-    """One shard per decoder layer (and one for the outer weights), generated and written one at a time."""
+def write_checkpoint(shape: str, layers: int, directory: Path, device: str, mtp: bool,
+                     dense_layers: int | None = None) -> dict:
+    """One shard per decoder layer (and one for the outer weights), generated and written one at a time.
+    `dense_layers` (default: the shape's 3) sets first_k_dense_replace in the written config: a layer's
+    time does not depend on its index, so 1 dense layer + 1 MoE layer measures both kinds in less time."""
     from quantship.models.causal_lm import CausalLM, build_layer
     from quantship.models.config import config_from_dict
     from quantship.models.mtp import MTPLayer
 
     raw = dict(SHAPES[shape], num_hidden_layers=layers, num_nextn_predict_layers=1 if mtp else 0,
                quantization_config=dict(FP8_CONFIG))
+    if dense_layers is not None:
+        raw["first_k_dense_replace"] = dense_layers
     config = config_from_dict(raw)
     gen = torch.Generator(device).manual_seed(0)
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,7 +155,8 @@ def run(args) -> None:
     model = work / f"model-{args.shape}"
     shutil.rmtree(model, ignore_errors=True)
     start = time.time()
-    info = write_checkpoint(args.shape, args.layers, model, args.device, mtp=not args.no_mtp)
+    info = write_checkpoint(args.shape, args.layers, model, args.device, mtp=not args.no_mtp,
+                            dense_layers=args.dense_layers)
     calib = work / "calib.txt"
     stdlib_calibration(calib)
     results = {"shape": args.shape, "config": SHAPES[args.shape], "layers": info["layers"],
@@ -172,7 +181,8 @@ def run(args) -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "tokens_per_expert_first_moe_layer"}), flush=True)
             shutil.rmtree(out, ignore_errors=True)
             Path(args.out).mkdir(parents=True, exist_ok=True)  # after every run: a cut-short run keeps what finished
-            (Path(args.out) / f"quantize_{args.shape.replace('-', '_')}.json").write_text(json.dumps(results, indent=2))
+            name = f"quantize_{args.shape.replace('-', '_')}{args.suffix}.json"
+            (Path(args.out) / name).write_text(json.dumps(results, indent=2))
 
 
 def projection(r: dict, run_: dict) -> dict:
@@ -191,31 +201,40 @@ def projection(r: dict, run_: dict) -> dict:
     return {"dense_s": per_dense, "moe_s": per_moe, "hours": (per_dense * full_dense + per_moe * full_moe) / 3600}
 
 
-def render(path: str) -> None:
+def _layers_label(r: dict) -> str:
+    moe = r["layers"] - r["dense_layers"]
+    return f"{r['dense_layers']} dense + {moe} MoE" + (" + MTP" if r["mtp"] else "")
+
+
+def render(paths: list[str]) -> None:
     from _report import table, update_section, write_result
 
-    r = json.loads(Path(path).read_text())
-    write_result(Path(path).stem, r)
-    rows = []
-    for run_ in r["runs"]:
-        p = projection(r, run_)
-        gpu = run_["peak_gpu_bytes"]
-        rows.append([run_["method"].upper(), str(run_["samples"]), f"{p['dense_s'] / 60:.1f}", f"{p['moe_s'] / 60:.1f}",
-                     f"{p['hours']:.1f}", "" if gpu is None else f"{gpu / 2**30:.1f}",
-                     f"{run_['peak_host_bytes'] / 2**30:.1f}", str(run_["fallbacks"])])
-    read_rate = r["checkpoint_bytes"] / max(run_["seconds"] for run_ in r["runs"]) / 1e6 if r["runs"] else 0
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    rows, read_rates = [], []
+    for path, r in zip(paths, results):
+        write_result(Path(path).stem, r)
+        for run_ in r["runs"]:
+            p = projection(r, run_)
+            gpu = run_["peak_gpu_bytes"]
+            rows.append([run_["method"].upper(), str(run_["samples"]), _layers_label(r), f"{p['dense_s'] / 60:.1f}",
+                         f"{p['moe_s'] / 60:.1f}", f"{p['hours']:.1f}", "" if gpu is None else f"{gpu / 2**30:.1f}",
+                         f"{run_['peak_host_bytes'] / 2**30:.1f}", str(run_["fallbacks"])])
+        if r["runs"]:
+            read_rates.append(r["checkpoint_bytes"] / max(run_["seconds"] for run_ in r["runs"]) / 1e6)
+    first = results[0]
+    notes = " ".join(r["note"] for r in results if r.get("note"))
     update_section("quantize_v3", "## DeepSeek-V3 shape: per-layer quantization and the 671B projection\n\n"
-        f"`benchmarks/quantize_v3.py` on {r['device_name']} (torch {r['torch']}): DeepSeek-V3's exact config in its FP8 "
-        f"block layout with random weights, {r['layers']} of 61 layers on disk ({r['dense_layers']} dense)"
-        f"{' + the MTP layer' if r['mtp'] else ''}, {r['checkpoint_bytes'] / 1e9:.0f} GB; W4A16 g128, "
-        f"{r['seq_len']}-token calibration samples. Minutes per layer are medians over the layers of each kind; "
-        "the projection multiplies them by 3 dense and 58 MoE layers + MTP, and assumes the disk reads the "
-        f"full 671 GB at least as fast as this run read its shards (slowest method: {read_rate:.0f} MB/s "
-        "including compute). Peak host memory is each method's own process (ru_maxrss)."
-        + (f" {r['note']}" if r.get("note") else "") + " Fallbacks: the recipe's count of expert Linears (GPTQ) "
-        "or expert balance groups (AWQ) that saw fewer than --min-expert-tokens and borrowed the statistics of "
-        "every token the MoE saw.\n\n"
-        + table(["method", "samples", "min / dense layer", "min / MoE layer", "hours, all of V3 (projected)",
+        f"`benchmarks/quantize_v3.py` on {first['device_name']} (torch {first['torch']}): DeepSeek-V3's exact config "
+        "in its FP8 block layout with random weights, a few of its 61 layers on disk (column \"layers\"; the "
+        "checkpoint of a row with fewer than 3 dense layers sets first_k_dense_replace to its count: a layer's "
+        f"time does not depend on its index); W4A16 g128, {first['seq_len']}-token calibration samples. Minutes "
+        "per layer are medians over the layers of each kind; the projection multiplies them by 3 dense and 58 MoE "
+        "layers + MTP, and assumes the disk reads the full 671 GB at least as fast as these runs read their shards "
+        f"(slowest method: {min(read_rates, default=0):.0f} MB/s including compute). Peak host memory is each "
+        "method's own process (ru_maxrss)." + (f" {notes}" if notes else "") + " Fallbacks: the recipe's count of "
+        "expert Linears (GPTQ) or expert balance groups (AWQ) that saw fewer than --min-expert-tokens and borrowed "
+        "the statistics of every token the MoE saw.\n\n"
+        + table(["method", "samples", "layers", "min / dense layer", "min / MoE layer", "hours, all of V3 (projected)",
                  "peak GPU GiB", "peak host GiB", "fallbacks (recipe)"], rows))
 
 
@@ -225,6 +244,7 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--shape", choices=list(SHAPES), default="v3")
     r.add_argument("--layers", type=int, default=5, help="decoder layers written (the first 3 are dense)")
+    r.add_argument("--dense-layers", type=int, help="first_k_dense_replace of the written config (default: 3)")
     r.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
     r.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"])
     r.add_argument("--samples", nargs="+", type=int, default=[128, 512])
@@ -232,10 +252,11 @@ def main() -> None:
     r.add_argument("--device", default="cuda")
     r.add_argument("--workdir", default="/tmp/qv3-bench")
     r.add_argument("--out", default="benchmarks/results")
+    r.add_argument("--suffix", default="", help="added to the result's file name (quantize_v3SUFFIX.json)")
     g = sub.add_parser("render")
-    g.add_argument("path")
+    g.add_argument("paths", nargs="+", help="result files; the first one's checkpoint describes the section")
     args = ap.parse_args()
-    run(args) if args.cmd == "run" else render(args.path)
+    run(args) if args.cmd == "run" else render(args.paths)
 
 
 if __name__ == "__main__":
