@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 
@@ -144,14 +146,61 @@ def test_large_activations_are_recorded_only_as_often_as_a_tenth_of_the_time(tmp
     monkeypatch.setattr(R.ResumableRun, "_record", slow_record)
     run = R.ResumableRun(tmp_path / "partial", {}, resume=False)
     large = torch.empty(1).expand(R.ALWAYS_RECORD_BYTES // 4 + 1)  # counted by size, never allocated
+    writer = SimpleNamespace(pending_bytes=0)
     for layer in range(1, 9):
         clock[0] += 150.0  # a layer's work
-        run.record(layer, None, large, {})
+        run.record(layer, writer, large, {})
     # 60 s records need 600 s of work between them: after layers 1, 5 (4 x 150 s later) and then 9.
     assert written == [1, 5]
     small = torch.zeros(4)
     for layer in range(9, 12):
         clock[0] += 1.0
-        run.record(layer, None, small, {})
+        run.record(layer, writer, small, {})
     assert written == [1, 5, 9, 10, 11]
     run.release()
+
+
+def test_a_disk_too_small_for_the_record_skips_it_and_the_run_goes_on(clean, tmp_path, monkeypatch, capsys):
+    """At DeepSeek-V3's width a record is 30 GB: on a disk that cannot hold it (and the output still to come)
+    the run must not fill the disk; it says so once and writes the same model."""
+    from quantship.quant import resume as R
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, R.RECORD_DISK_RESERVE - 1))
+    out = tmp_path / "q"
+    quantize("tiny", out, QuantizeOptions(**GPTQ))
+    _same_output(clean, out)
+    err = capsys.readouterr().err
+    assert err.count("no resume record") == 1 and "after layer 0" in err and "GiB are free" in err, err
+
+
+def test_a_record_that_fails_to_write_keeps_the_last_complete_one(clean, tmp_path, monkeypatch, capsys):
+    """The disk fills up while the activations of layer 3 are written: the half-written file goes, the run
+    goes on (and is stopped later), and --resume continues from the last complete record."""
+    from quantship.quant import resume as R
+
+    real, calls = R._write_activations, {"n": 0}
+
+    def fills_up(hidden, path):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            path.write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        real(hidden, path)
+
+    monkeypatch.setattr(R, "_write_activations", fills_up)
+    _interrupt_after(monkeypatch, 3)
+    out = tmp_path / "q"
+    with pytest.raises(KeyboardInterrupt):
+        quantize("tiny", out, QuantizeOptions(**GPTQ))
+    err = capsys.readouterr().err
+    assert "no resume record after layer 2: writing it failed: No space left on device" in err, err
+    state_dir = tmp_path / ".q.partial" / "resume"
+    state = json.loads((state_dir / "state.json").read_text())
+    assert state["next_layer"] == 2
+    named = {"state.json", state["pending"], state["hidden"]["file"]} - {None}
+    assert {p.name for p in state_dir.iterdir()} == named
+    monkeypatch.undo()
+    recipe = quantize("tiny", out, QuantizeOptions(**GPTQ, resume=True))
+    assert recipe["resumed_from_layer"] == 2
+    _same_output(clean, out)

@@ -304,11 +304,15 @@ def _swap(layer: nn.Module, name: str, q: QuantizedTensor, scheme: Scheme, dtype
 
 
 def _run(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, batch: int = 8) -> torch.Tensor:
-    """The layer's output for every calibration sequence, kept where `hidden` is (see _activation_store)."""
+    """The layer's output for every calibration sequence, kept where `hidden` is (see _activation_store).
+    Written into one tensor as it comes: gathering the pieces first would hold the output twice (30 GB more
+    at DeepSeek-V3's width and 512 x 2048 tokens)."""
     device = positions.device
+    out = torch.empty_like(hidden)
     with torch.no_grad():
-        return torch.cat([layer(hidden[s:s + batch].to(device), positions).to(hidden.device)
-                          for s in range(0, hidden.shape[0], batch)])
+        for s in range(0, hidden.shape[0], batch):
+            out[s:s + batch] = layer(hidden[s:s + batch].to(device), positions)
+    return out
 
 
 # Calibration activations go to host memory once they would take more than this share of the GPU:

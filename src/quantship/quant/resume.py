@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,10 @@ STATE_DIR = "resume"
 LOCK_FILE = ".lock"
 RECORD_SHARE = 0.1  # of the time since the last record, at most this is spent writing the next one
 ALWAYS_RECORD_BYTES = 256 << 20  # activations this small are recorded after every layer
+# A record never leaves less free disk than this: the output's shards, still to be written, come first.
+# (At DeepSeek-V3's width one record of 512 x 2048 calibration tokens is 30 GB, and the old record goes
+# only after the new one is complete.)
+RECORD_DISK_RESERVE = 8 << 30
 
 
 def source_fingerprint(model_dir: Path, files: list[Path]) -> str:
@@ -42,6 +47,10 @@ def source_fingerprint(model_dir: Path, files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def _write_activations(hidden: torch.Tensor, path: Path) -> None:
+    hidden.detach().float().cpu().contiguous().numpy().tofile(path)
+
+
 class ResumableRun:
     """The temporary directory of one quantize run, held under a lock for as long as the run lasts."""
 
@@ -51,6 +60,7 @@ class ResumableRun:
         self.state: dict | None = None
         self._lock = None
         self._last: tuple[float, float] | None = None  # when the last record ended, and what it cost (s)
+        self._skipping = False  # the last record was skipped (the disk): said once, not after every layer
         if resume and not (self.state_dir / "state.json").is_file():
             raise QuantshipError("--resume: no interrupted run of this output to continue", tmp)
         tmp.mkdir(exist_ok=True)
@@ -114,8 +124,40 @@ class ResumableRun:
         if size > ALWAYS_RECORD_BYTES and self._last is not None and \
                 (now - self._last[0]) * RECORD_SHARE < self._last[1]:
             return
-        self._record(next_layer, writer, hidden, tallies)
+        # The record only saves time after a crash: a disk too small for it skips it, and the run goes on.
+        needed = size + writer.pending_bytes + RECORD_DISK_RESERVE
+        free = shutil.disk_usage(self.tmp).free
+        if free < needed:
+            self._skipped(next_layer, f"it needs {needed / 2**30:.1f} GiB of free disk (with "
+                                      f"{RECORD_DISK_RESERVE / 2**30:.0f} GiB kept for the output), "
+                                      f"{free / 2**30:.1f} GiB are free")
+            return
+        try:
+            self._record(next_layer, writer, hidden, tallies)
+        except OSError as exc:  # the disk filled up after all, or it failed: keep the last complete record
+            self._drop_unnamed()
+            self._skipped(next_layer, f"writing it failed: {exc.strerror or exc}")
+            return
         self._last = (time.monotonic(), time.monotonic() - now)  # (when the last record ended, its cost)
+        self._skipping = False
+
+    def _skipped(self, next_layer: int, why: str) -> None:
+        """Said once when records stop; again only after one succeeded in between."""
+        if not self._skipping:
+            print(f"quantize: no resume record after layer {next_layer - 1}: {why}; the run goes on, and skips "
+                  f"records while this lasts (--resume after a crash would start from layer {self.next_layer})",
+                  file=sys.stderr)
+        self._skipping = True
+
+    def _drop_unnamed(self) -> None:
+        """Delete what the current state.json does not name (a new record's files, or a half-written one)."""
+        named = {"state.json"}
+        if self.state is not None:
+            named |= {self.state["pending"], self.state["hidden"] and self.state["hidden"]["file"]}
+        if self.state_dir.is_dir():
+            for entry in self.state_dir.iterdir():
+                if entry.name not in named:
+                    entry.unlink()
 
     def _record(self, next_layer: int, writer, hidden: torch.Tensor | None, tallies: dict) -> None:
         self.state_dir.mkdir(exist_ok=True)
@@ -126,7 +168,7 @@ class ResumableRun:
         saved_hidden = None
         if hidden is not None:
             name = f"hidden-{next_layer}.f32"
-            hidden.detach().float().cpu().contiguous().numpy().tofile(self.state_dir / name)
+            _write_activations(hidden, self.state_dir / name)
             saved_hidden = {"file": name, "shape": list(hidden.shape)}
         state = {"settings": self.settings, "next_layer": next_layer, "total": writer.total,
                  "shards": [(path.name, names) for path, names in writer.shards], "pending": pending,
@@ -138,10 +180,7 @@ class ResumableRun:
             os.fsync(f.fileno())
         os.replace(tmp_state, self.state_dir / "state.json")
         self.state = state
-        keep = {"state.json", pending, saved_hidden and saved_hidden["file"]}
-        for old in self.state_dir.iterdir():
-            if old.name not in keep:
-                old.unlink()
+        self._drop_unnamed()  # the previous record's files
 
     def finish(self) -> None:
         """Before the directory is published: drop the resume record and the lock."""
