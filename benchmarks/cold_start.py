@@ -105,7 +105,18 @@ def run(where: str, out: Path, workdir: Path, rounds: int) -> None:
 
     from quantship.models.bundled import TINY_DIR
 
-    entries = []
+    entries: list[dict] = []
+
+    def save() -> None:  # after every model: a run cut short keeps the models it finished
+        result = {"where": where, "rounds": rounds, "torch": torch.__version__, "cpus": os.cpu_count(),
+                  "load_average": os.getloadavg(), "entries": entries,
+                  "fit": fit(entries[0], entries[1]) if len(entries) > 1 else None,
+                  "device": torch.cuda.get_device_name() if where == "gpu" else "cpu"}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"cold_start_{where}.json").write_text(json.dumps(result, indent=2))
+        if result["fit"]:
+            print("fit", json.dumps(result["fit"]), flush=True)
+
     if where == "cpu":
         SHAPES["tiny"] = json.loads((TINY_DIR / "config.json").read_text())
         large = workdir / f"tiny-{LARGE_LAYERS['cpu']}-layers"
@@ -114,26 +125,24 @@ def run(where: str, out: Path, workdir: Path, rounds: int) -> None:
         entries.append(measure("tiny (8 layers)", "tiny", "cpu", workdir, rounds))
         entries.append(measure(f"tiny, {LARGE_LAYERS['cpu']} layers of random weights", str(large), "cpu", workdir,
                                rounds))
+        save()
     else:
         from quantship.quant.pipeline import QuantizeOptions, quantize
 
         small, bf16 = workdir / "coder-6.7b-4-layers", workdir / "coder-6.7b"
-        for path, layers in ((small, 4), (bf16, None)):
-            if not (path / "config.json").exists():
-                write_checkpoint("coder-6.7b", layers, path)
+        if not (small / "config.json").exists():
+            write_checkpoint("coder-6.7b", 4, small)
         entries.append(measure("coder-6.7b, 4 layers", str(small), "cuda", workdir, rounds))
+        if not (bf16 / "config.json").exists():
+            write_checkpoint("coder-6.7b", None, bf16)
         entries.append(measure("coder-6.7b bf16", str(bf16), "cuda", workdir, rounds))
+        save()
         w4 = workdir / "coder-6.7b-w4a16"
         if not (w4 / "config.json").exists():
             quantize(bf16, w4, QuantizeOptions(scheme="W4A16", method="rtn", device="cuda", samples=4, seq_len=64),
                      progress=False)
         entries.append(measure("coder-6.7b W4A16", str(w4), "cuda", workdir, rounds))
-    result = {"where": where, "rounds": rounds, "torch": torch.__version__, "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "entries": entries, "fit": fit(entries[0], entries[1]),
-              "device": torch.cuda.get_device_name() if where == "gpu" else "cpu"}
-    print("fit", json.dumps(result["fit"]), flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"cold_start_{where}.json").write_text(json.dumps(result, indent=2))
+        save()
 
 
 def fit(small: dict, large: dict) -> dict:
@@ -159,12 +168,21 @@ def _median(runs: list[dict], key) -> float:
     return statistics.median(key(r) for r in runs)
 
 
+def _fit_line(r: dict) -> str:
+    f = r["fit"]
+    return (f"{r['device']}: a line through {f['from'][0]} and {f['from'][1]}: time to ready = {f['fixed_seconds']:.1f} s "
+            f"+ checkpoint bytes / {f['load_bytes_per_second'] / 1e6:.1f} MB/s (every phase that grows with the "
+            f"checkpoint: loading, the cache, the warm-up's forward pass); load_weights alone = "
+            f"{f['load_weights_fixed_seconds']:.1f} s + bytes / {f['load_weights_bytes_per_second'] / 1e6:.1f} MB/s."
+            + (f" {r['note']}" if r.get("note") else ""))
+
+
 def render(paths: list[str]) -> None:
-    rows, gpu = [], False
+    rows, results = [], []
     for p in paths:
         r = json.loads(Path(p).read_text())
         write_result(Path(p).stem, r)
-        gpu |= r["where"] == "gpu"
+        results.append(r)
         for e in r["entries"]:
             runs = e["runs"]
             rows.append([f"{e['label']}, {r['device']}", *(f"{_median(runs, lambda x, k=k: x['phases'].get(k, 0)):.2f}"
@@ -174,21 +192,20 @@ def render(paths: list[str]) -> None:
                          f"{_median(runs, lambda x: x['startup_to_first_token_seconds']):.2f} / "
                          f"{_median(runs, lambda x: x['outside_first_token_s']):.2f}",
                          f"{_median(runs, lambda x: x['load_bytes_per_s']) / 1e6:.0f}"])
-    f = r["fit"]
+    gpu = any(r["where"] == "gpu" for r in results)
+    rounds = sorted({r["rounds"] for r in results})
     update_section("cold_start", "## Cold start of `quantship serve`\n\n"
         "`benchmarks/cold_start.py`: a fresh server process per round (median of "
-        f"{r['rounds']}), its own phases from `quantship:startup_seconds`, seconds. \"ready\" and \"first token\" "
-        "are the server's clock (from the kernel's process start time) / the benchmark's (from spawning the "
-        "process to /ready answering, to the one-token response). Load rate = checkpoint bytes on disk / "
-        "load_weights, warm page cache. The CPU rows ran on the shared 2-core host, whose load makes them noisy."
-        + ("" if gpu else " No GPU row yet: the GPU command is in the script's docstring.") + "\n\n"
+        f"{' or '.join(map(str, rounds))}), its own phases from `quantship:startup_seconds`, seconds. \"ready\" and "
+        "\"first token\" are the server's clock (from the kernel's process start time) / the benchmark's (from "
+        "spawning the process to /ready answering, to the one-token response). Load rate = checkpoint bytes on "
+        "disk / load_weights, warm page cache. The CPU rows ran on the shared 2-core host, whose load makes them "
+        "noisy." + ("" if gpu else " No GPU row yet: the GPU command is in the script's docstring.") + "\n\n"
         + table(["model", *PHASES, "ready (server / outside)", "first token (server / outside)", "load MB/s"], rows)
-        + f"\n\nA line through {f['from'][0]} and {f['from'][1]}: time to ready = {f['fixed_seconds']:.1f} s + "
-        f"checkpoint bytes / {f['load_bytes_per_second'] / 1e6:.1f} MB/s (every phase that grows with the checkpoint: "
-        f"loading, the cache, the warm-up's forward pass); load_weights alone = {f['load_weights_fixed_seconds']:.1f} s "
-        f"+ bytes / {f['load_weights_bytes_per_second'] / 1e6:.1f} MB/s. deploy/startup.yaml sizes the native engine's "
-        "startupProbe on CPU from such a line; it keeps the one measured on this host under a load average near 8 "
-        "(slower than this line), so that a busy node still starts within its probe.")
+        + "\n\n" + "\n\n".join(_fit_line(r) for r in results if r.get("fit"))
+        + "\n\ndeploy/startup.yaml sizes the native engine's startupProbe from such lines (src/quantship/deploy/"
+        "startup.yaml): on CPU it keeps the one measured on this host under a load average near 8 (slower than the "
+        "line above), so that a busy node still starts within its probe.")
 
 
 def main() -> None:

@@ -2,11 +2,13 @@
 ready, agree with a clock outside the process, and the warm-up leaves no trace in the counters;
 deploy sizes the startupProbe from the measured load rate and validate rechecks it."""
 
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +25,8 @@ from quantship.engine.sampling_params import SamplingParams
 from quantship.models.bundled import TINY_DIR
 from quantship.models.loader import load_model
 from quantship.server.startup import PHASES, StartupClock, process_age
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_warm_up_leaves_no_trace():
@@ -130,6 +134,14 @@ def test_startup_budget_from_the_measured_load_rate(tmp_path, capsys):
     faster = sizing.startup(int(10e9), 250.0, "native", "cpu", load_rate_mbps=10_000)
     assert faster.load_estimate_s < s.load_estimate_s and faster.source == "--engine-load-rate"
     assert sizing.startup(int(100e9), 250.0, "vllm").load_rate_bytes_per_s is None  # vLLM: not measured here
+    # The GPU profile is the H200 measurement, which the benchmark's result file holds.
+    gpu = sizing.cold_start_profile("native", "cuda")
+    measured = json.loads((ROOT / "benchmarks" / "results" / "cold_start_gpu.json").read_text())
+    slowest_bf16 = min(r["load_bytes_per_s"] for e in measured["entries"] if e["label"].endswith("bf16")
+                       for r in e["runs"])
+    assert gpu["load_bytes_per_second"] <= slowest_bf16 and gpu["fixed_seconds"] >= measured["fit"]["fixed_seconds"]
+    assert sizing.startup(int(13.5e9), 2000.0, "native").load_estimate_s >= max(
+        r["startup_to_ready_seconds"] for e in measured["entries"] for r in e["runs"])
     out = tmp_path / "k8s"
     assert main(["deploy", "tiny", "-o", str(out), "--gpus", "0"]) == 0
     assert "MB/s loaded" in capsys.readouterr().out
