@@ -10,7 +10,10 @@ runs the allocator the old way, to see what fragmentation costs):
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --out $OUT
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape coder-6.7b --scheme W4A16 --out $OUT
     PYTHONPATH=src python3 benchmarks/capacity_check.py run --where gpu --shape v2-lite --out $OUT
-(--contexts 4096,8192 then --contexts 32768 splits a shape over two commands, each its own JSON.)
+(--contexts 4096,8192 then --contexts 32768 splits a shape over two commands, each its own JSON. The JSON
+is written after every trial; V2-Lite at 8192 and 32768 together did not finish in a 10-minute device
+slot, so give each context its own command, and keep the output in a file (`| tee $OUT/log`), not a pipe
+that a timeout kills.)
 Then here: .venv/bin/python benchmarks/capacity_check.py render benchmarks/results/capacity_check_*.json
 
 On the GPU each trial builds an engine whose cache holds N sequences of L tokens (num_blocks =
@@ -178,14 +181,16 @@ def trial(model, context: int, n: int, batch_cap: int, budget_tokens: int) -> di
 
 
 def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tokens: int,
-                 log: list) -> tuple[int, int]:
+                 log: list, saved=lambda: None) -> tuple[int, int]:
     """(largest n that ran, smallest that did not): bracket around the prediction in steps of 2%, then
     bisect down to 1% of n (one sequence where n is under 200), which is all a 5% check needs: a trial
     with hundreds of MLA sequences takes half a minute."""
     def ok(n: int) -> bool:
+        start = time.time()
         result = trial(model, context, n, batch_cap, budget_tokens)
-        log.append({"context": context, **result})
+        log.append({"context": context, **result, "seconds": time.time() - start})
         print(json.dumps(log[-1]), flush=True)
+        saved()  # after every trial: a run stopped by its time limit keeps them
         return result["ok"]
 
     good, bad = 0, None
@@ -234,7 +239,8 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
               "allocator": "fixed segments" if fixed else "expandable segments", "warmup_streams": "one"}
     for row in p.rows:
         start = time.time()
-        got, fails_at = measured_oom(model, row.context, row.seqs_oom, 256, 512, result["trials"])
+        got, fails_at = measured_oom(model, row.context, row.seqs_oom, 256, 512, result["trials"],
+                                     saved=lambda: path.write_text(json.dumps(result, indent=2)))
         result["rows"].append({"context": row.context, "predicted_oom": row.seqs_oom, "measured_oom": got,
                                "fails_at": fails_at,
                                "error": (row.seqs_oom - got) / got if got else None, "seconds": time.time() - start})

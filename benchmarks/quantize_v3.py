@@ -13,7 +13,10 @@ On the GPU machine (about 35 GB of disk with --layers 5 and the MTP layer):
         --out $OUT
 Here, to render the fetched JSON into BENCHMARKS.md:
     .venv/bin/python benchmarks/quantize_v3.py render benchmarks/results/quantize_v3*.json
-512 samples of 2048 tokens fit a 10-minute device slot on 1 dense + 1 MoE layer:
+512 samples of 2048 tokens, 1 dense + 1 MoE layer (meant to fit a 10-minute device slot; its first try, on
+2026-12-01, ended without output and took the machine with it: most likely its 64 GB disk, which two 30 GB
+resume records of the activations filled before the old one was deleted. quantize now skips a record that
+the disk cannot hold. Keep the output in a file with `| tee $OUT/log`):
     PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 2 --dense-layers 1 --no-mtp --methods gptq awq \
         --samples 512 --suffix _512 --out $OUT
 The same script on a CPU, on a V3-structured model of a few MB (checks the script, measures nothing):
@@ -131,12 +134,21 @@ def _quantize_child(model: str, out: str, method: str, samples: int, seq_len: in
     from quantship.quant.pipeline import QuantizeOptions, quantize
 
     marks: list[float] = []
+
+    def mark(*args) -> None:  # printed as it goes: a run stopped by its time limit still shows its layers
+        marks.append(time.time())
+        if len(marks) > 1:
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            print(f"{method} x {samples}: layer {len(marks) - 2} took {marks[-1] - marks[-2]:.0f} s "
+                  f"(peak GPU {peak:.1f} GiB, host {rss:.1f} GiB)", flush=True)
+
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.time()
     recipe = quantize(model, out, QuantizeOptions(scheme="W4A16", method=method, calib=Path(calib), samples=samples,
                                                   seq_len=seq_len, device=device, mtp="quantize"),
-                      progress=lambda *args: marks.append(time.time()))
+                      progress=mark)
     seconds = time.time() - start
     written = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
     first_moe = str(min((int(k) for k in recipe["tokens_per_expert"]), default=-1))
