@@ -208,24 +208,53 @@ TINYGEMM_GROUPS = (32, 64, 128, 256)
 TINYGEMM_MAX_M = 8  # measured: level with the bf16x2 GEMV at 1 row, faster than the swap tile at 4, 2x slower at 16
 
 
+def _tinygemm_scales(scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """tinygemm computes (u - 8) * scale + offset from unsigned u = value + 8, so a zero point z becomes the
+    offset -z * scale; both in bf16, [G, N, 2]."""
+    scale = scale.to(torch.bfloat16)
+    offset = torch.zeros_like(scale) if zero is None else -zero.to(torch.bfloat16) * scale
+    return torch.stack([scale, offset], dim=-1).contiguous()
+
+
 def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
                   group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The same int4 weight in PyTorch's own decode kernel's layout (tinygemm, `torch._weight_int4pack_mm`,
-    as gpt-fast and torchao use it), or None where this build or shape cannot take it.
-
-    tinygemm computes (u - 8) * scale + zero from unsigned u = value + 8, so a zero point z becomes
-    the float -z * scale."""
+    as gpt-fast and torchao use it), or None where this build or shape cannot take it."""
     if not (packed.is_cuda and hasattr(torch, "_weight_int4pack_mm") and group_size in TINYGEMM_GROUPS
             and in_features % 128 == 0 and packed.shape[1] % 8 == 0):
         return None
     unsigned = (unpack(packed, 4, in_features).to(torch.int32) + 8).to(torch.uint8)
-    scale = scale.to(torch.bfloat16)
-    offset = torch.zeros_like(scale) if zero is None else -zero.to(torch.bfloat16) * scale
     try:
         weight = torch._convert_weight_to_int4pack((unsigned[:, ::2] << 4 | unsigned[:, 1::2]).contiguous(), 8)
     except RuntimeError:  # a layout this PyTorch version does not take: the Triton kernels stay
         return None
-    return weight, torch.stack([scale, offset], dim=-1).contiguous()
+    return weight, _tinygemm_scales(scale, zero)
+
+
+def cpu_int4_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
+                  group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The int4 weight for PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, tinygemm's formula
+    with bf16 activations), or None where this build or shape cannot take it (N a multiple of 16, groups
+    of 32-256). On a 2-core x86 host it multiplies a 4096x4096 layer by one row in 0.8 ms, where
+    dequantizing the weight for F.linear takes 120 ms and float32 F.linear 1.8 ms (benchmarks/cpu_int4.py)."""
+    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if not (packed.device.type == "cpu" and convert is not None and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and group_size in TINYGEMM_GROUPS and in_features % group_size == 0 and packed.shape[1] % 16 == 0):
+        return None
+    unsigned = unpack(packed, 4, in_features).to(torch.int32) + 8
+    try:
+        weight = convert(unsigned.contiguous(), 1)
+    except RuntimeError:  # a layout this PyTorch version does not take: dequantize + F.linear stays
+        return None
+    return weight, _tinygemm_scales(scale, zero)
+
+
+def cpu_int4_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                    out_features: int) -> torch.Tensor:
+    """x [..., K] times a cpu_int4_pack weight → [..., N] in x's dtype; x goes in as bf16, as W4A16 says."""
+    rows = x.numel() // x.shape[-1]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, -1).to(torch.bfloat16), weight, group_size, scales)
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
