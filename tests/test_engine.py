@@ -90,17 +90,23 @@ def test_greedy_matches_on_quantized_checkpoints(w4a16_dirs, name):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
-def test_serving_on_the_cpu_runs_int4_through_the_kernel(w4a16_dirs):
-    """load_engine (what `serve` uses) sends every int4 Linear through PyTorch's CPU int4 kernel, and the
-    engine still gives the plain loop's greedy tokens on the same model (the bundled trained model, natural
-    prompts: float32 with bf16 activations, where random weights would have near-ties)."""
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A16"])
+def test_serving_on_the_cpu_runs_packed_layers_through_the_kernels(w4a16_dirs, tmp_path, scheme):
+    """load_engine (what `serve` uses) sends every packed Linear through PyTorch's CPU kernels (int4, int8
+    per channel), and the engine still gives the plain loop's greedy tokens on the same model (the bundled
+    trained model, natural prompts: float32 with bf16 activations, where random weights would have
+    near-ties)."""
     from quantship.engine.engine import load_engine
     from quantship.models.quantized import PackedLinear
 
-    engine = load_engine(w4a16_dirs["tiny"], config=EngineConfig(max_model_len=256, max_num_seqs=4))
+    source = w4a16_dirs["tiny"]
+    if scheme == "W8A16":
+        source = tmp_path / "w8a16"
+        quantize("tiny", source, QuantizeOptions(scheme="W8A16", method="rtn"))
+    engine = load_engine(source, config=EngineConfig(max_model_len=256, max_num_seqs=4))
     model, tokenizer = engine.model, engine.tokenizer
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert packed and all(m.cpu_int4 and m.decode_weights() is not None for m in packed)
+    assert packed and all(m.cpu_kernel and m.decode_weights() is not None for m in packed)
     prompts = [tokenizer(text)["input_ids"] for text in ("def fibonacci(n):", "The capital of", "import numpy as")]
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -108,7 +114,7 @@ def test_serving_on_the_cpu_runs_int4_through_the_kernel(w4a16_dirs):
     for i, prompt in enumerate(prompts):
         assert got[str(i)] == list(generate_tokens(model, prompt, 16)), f"prompt {i}"
     # The exact path (dequantize + F.linear, what the verifier measures) on the same weights is close.
-    exact = load_model(w4a16_dirs["tiny"], torch.float32)
+    exact = load_model(source, torch.float32)
     ids = torch.tensor([sum(prompts, [])])
     with torch.no_grad():
         a, b = model(ids)[0], exact(ids)[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantship.kernels import wna16
-from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, serve_int4_on_cpu, weight_bytes
+from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, serve_packed_on_cpu, weight_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytest.importorskip("triton")
@@ -120,45 +120,50 @@ def test_packed_linear_holds_packed_bytes_and_matches_the_unpacked_layer():
     assert weight_bytes(packed) == weight_and_bias
     # Serving on the CPU, int4 goes through PyTorch's kernel with bf16 activations (W4A16): within bf16's
     # rounding, and the kernel's weight copy is counted.
-    assert serve_int4_on_cpu(packed) == 1
+    assert serve_packed_on_cpu(packed) == 1
     error = (packed(x) - plain(x)).norm() / plain(x).norm()
     assert 0 < error < 1e-2, error.item()
     assert weight_bytes(packed) == weight_and_bias + sum(t.numel() * t.element_size() for t in packed._decode)
 
 
-@pytest.mark.parametrize("group", [32, 64, 128, 256])
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_cpu_int4_kernel_matches_the_reference_with_bf16_activations(group, symmetric):
-    """PyTorch's CPU int4 kernel, which PackedLinear uses for int4 on the CPU: the weight it is given is the
-    packed one (zero points as offsets), and the product equals the reference on bf16-rounded inputs to
-    bf16's precision, for one row (decode) and many (prefill)."""
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, True), (4, 64, False), (4, 128, True), (4, 256, False),
+                                                  (8, 512, True)])
+def test_cpu_kernels_match_the_reference_with_bf16_activations(bits, group, symmetric):
+    """PyTorch's CPU kernels, which PackedLinear uses on the CPU when serving: int4 (zero points as offsets)
+    and int8 per channel; the product equals the reference on bf16-rounded inputs to bf16's precision,
+    for one row (decode) and many (prefill)."""
     n, k = 48, 512
-    values, scale, zero = random_quantized(n, k, 4, group, symmetric, seed=group + symmetric)
-    packed = wna16.pack(values, 4)
-    made = wna16.cpu_int4_pack(packed, scale.bfloat16(), zero, k, group)
+    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=group + symmetric)
+    packed = wna16.pack(values, bits)
+    made = wna16.cpu_pack(packed, scale.bfloat16(), zero, bits, k, group)
     assert made is not None
     for m in (1, 37):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        expected = wna16.reference_matmul(x.bfloat16().float(), packed, scale.bfloat16().float(), zero, 4, k, group)
-        out = wna16.cpu_int4_matmul(x, *made, group, n)
+        expected = wna16.reference_matmul(x.bfloat16().float(), packed, scale.bfloat16().float(), zero, bits, k,
+                                          group)
+        out = wna16.cpu_matmul(x, made, bits, group, n)
         assert out.dtype == x.dtype and out.shape == (m, n)
         error = (out - expected).norm() / expected.norm()
         assert error < 5e-3, (m, error.item())
 
 
-def test_cpu_int4_kernel_is_skipped_where_it_cannot_run():
-    """Outputs not a multiple of 16 or groups of 16: no kernel weight, PackedLinear stays exact (dequantize +
-    F.linear); a module moved to another dtype drops the weight it made and makes it again."""
+def test_cpu_kernels_are_skipped_where_they_cannot_run():
+    """int4 with outputs not a multiple of 16 or groups of 16, int8 grouped or with zero points: no kernel
+    weight, PackedLinear stays exact (dequantize + F.linear); a module moved to another dtype drops the
+    weight it made and makes it again."""
     values, scale, _ = random_quantized(40, 128, 4, 32, True, seed=3)
-    assert wna16.cpu_int4_pack(wna16.pack(values, 4), scale, None, 128, 32) is None  # N = 40
+    assert wna16.cpu_pack(wna16.pack(values, 4), scale, None, 4, 128, 32) is None  # N = 40
+    values, scale, zero = random_quantized(64, 128, 8, 32, False, seed=3)  # int8 takes one symmetric scale per row
+    assert wna16.cpu_pack(wna16.pack(values, 8), scale, None, 8, 128, 32) is None
+    assert wna16.cpu_pack(wna16.pack(values, 8), scale[:1], zero[:1], 8, 128, 128) is None
     values, scale, _ = random_quantized(64, 128, 4, 16, True, seed=4)
     layer = quant_linear(values, scale.t(), bits=4)
     x = torch.randn(3, 128)
-    assert serve_int4_on_cpu(layer) == 0 and layer.decode_weights() is None
+    assert serve_packed_on_cpu(layer) == 0 and layer.decode_weights() is None
     assert torch.allclose(layer(x), QuantLinear(values, scale.t())(x), atol=1e-5)
     values, scale, _ = random_quantized(64, 128, 4, 32, True, seed=5)
     layer = quant_linear(values, scale.t(), bits=4)
-    assert serve_int4_on_cpu(layer) == 1
+    assert serve_packed_on_cpu(layer) == 1
     layer(x)
     first = layer._decode
     assert first

@@ -231,14 +231,23 @@ def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     return weight, _tinygemm_scales(scale, zero)
 
 
-def cpu_int4_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, in_features: int,
-                  group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The int4 weight for PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, tinygemm's formula
-    with bf16 activations), or None where this build or shape cannot take it (N a multiple of 16, groups
-    of 32-256). On a 2-core x86 host it multiplies a 4096x4096 layer by one row in 0.8 ms, where
-    dequantizing the weight for F.linear takes 120 ms and float32 F.linear 1.8 ms (benchmarks/cpu_int4.py)."""
-    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-    if not (packed.device.type == "cpu" and convert is not None and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+def cpu_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, in_features: int,
+             group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weight for PyTorch's CPU kernels, or None where this build or shape cannot take it: int4 for
+    `_weight_int4pack_mm_for_cpu` (tinygemm's formula; outputs a multiple of 16, groups of 32-256), int8
+    per channel and symmetric for `_weight_int8pack_mm` ([N, K] int8 and a scale per output). Both take
+    bf16 activations. On a 2-core x86 host one 4096x4096 layer times one row takes about 1 ms either way,
+    where dequantizing the weight for F.linear takes about 120 ms and float32 F.linear 2 ms
+    (benchmarks/cpu_packed.py)."""
+    ops = torch.ops.aten
+    if packed.device.type != "cpu":
+        return None
+    if bits == 8:
+        if not (hasattr(ops, "_weight_int8pack_mm") and zero is None and scale.shape[0] == 1):
+            return None
+        return unpack(packed, 8, in_features).contiguous(), scale[0].to(torch.bfloat16).contiguous()
+    convert = getattr(ops, "_convert_weight_to_int4pack_for_cpu", None)
+    if not (bits == 4 and convert is not None and hasattr(ops, "_weight_int4pack_mm_for_cpu")
             and group_size in TINYGEMM_GROUPS and in_features % group_size == 0 and packed.shape[1] % 16 == 0):
         return None
     unsigned = unpack(packed, 4, in_features).to(torch.int32) + 8
@@ -249,11 +258,17 @@ def cpu_int4_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     return weight, _tinygemm_scales(scale, zero)
 
 
-def cpu_int4_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                    out_features: int) -> torch.Tensor:
-    """x [..., K] times a cpu_int4_pack weight → [..., N] in x's dtype; x goes in as bf16, as W4A16 says."""
+def cpu_matmul(x: torch.Tensor, made: tuple[torch.Tensor, torch.Tensor], bits: int, group_size: int,
+               out_features: int) -> torch.Tensor:
+    """x [..., K] times a cpu_pack weight → [..., N] in x's dtype; x goes in as bf16, as W4A16/W8A16 say
+    (the kernels' float32 paths measured 10-25x slower than their bf16 ones)."""
     rows = x.numel() // x.shape[-1]
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, -1).to(torch.bfloat16), weight, group_size, scales)
+    x2 = x.reshape(rows, -1).to(torch.bfloat16)
+    weight, scales = made
+    if bits == 8:
+        y = torch.ops.aten._weight_int8pack_mm(x2, weight, scales)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, group_size, scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 

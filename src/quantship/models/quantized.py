@@ -82,7 +82,7 @@ class PackedLinear(nn.Module):
     """A Linear whose integer weight stays packed on the device (weight-only: activations untouched)."""
 
     use_kernel = True  # False: CUDA takes the dequantize + F.linear reference path too (for comparisons)
-    cpu_int4 = False  # True (serve_int4_on_cpu): int4 on the CPU through PyTorch's kernel, bf16 activations
+    cpu_kernel = False  # True (serve_packed_on_cpu): on the CPU through PyTorch's int4/int8 kernels, bf16 inputs
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                  group_size: int, bias: torch.Tensor | None = None):
@@ -126,18 +126,23 @@ class PackedLinear(nn.Module):
         biases = [p.bias for p in parts]
         merged.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
         merged._decode = None
-        merged.cpu_int4 = all(p.cpu_int4 for p in parts)  # the engine merges after load_engine chose the path
+        merged.cpu_kernel = all(p.cpu_kernel for p in parts)  # the engine merges after load_engine chose
         return merged
 
     def decode_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """int4 weights also in the layout of PyTorch's own int4 kernels: on a GPU tinygemm, which at batch
+        """The weight also in the layout of PyTorch's own kernels: on a GPU int4 for tinygemm, which at batch
         sizes up to 8 measured as fast as or faster than our Triton tiles on an H200 (benchmarks/
-        kernel_wna16.py); on the CPU its int4 kernel (when serve_int4_on_cpu asked for it). Costs a second
-        copy of the packed bytes; `quantship info` and the engine report both."""
+        kernel_wna16.py); on the CPU int4 or per-channel int8 for its CPU kernels (used once
+        serve_packed_on_cpu asked for them). Costs a second copy of the packed bytes; `quantship info` and
+        the engine report both."""
         if self._decode is None:
-            pack = wna16.cpu_int4_pack if self.weight_packed.device.type == "cpu" else wna16.tinygemm_pack
-            made = self.bits == 4 and pack(self.weight_packed, self.weight_scale, self.weight_zero_point,
-                                           self.in_features, self.group_size)
+            if self.weight_packed.device.type == "cpu":
+                made = wna16.cpu_pack(self.weight_packed, self.weight_scale, self.weight_zero_point, self.bits,
+                                      self.in_features, self.group_size)
+            else:
+                made = self.bits == 4 and wna16.tinygemm_pack(self.weight_packed, self.weight_scale,
+                                                              self.weight_zero_point, self.in_features,
+                                                              self.group_size)
             self._decode = made or False
         return self._decode or None
 
@@ -160,8 +165,8 @@ class PackedLinear(nn.Module):
             y = wna16.matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bits,
                              self.in_features, self.group_size)
             return y if self.bias is None else y + self.bias
-        if x.device.type == "cpu" and self.cpu_int4 and self.use_kernel and (decode := self.decode_weights()):
-            y = wna16.cpu_int4_matmul(x, decode[0], decode[1], self.group_size, self.out_features)
+        if x.device.type == "cpu" and self.cpu_kernel and self.use_kernel and (decode := self.decode_weights()):
+            y = wna16.cpu_matmul(x, decode, self.bits, self.group_size, self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
@@ -169,16 +174,17 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int{self.bits} packed, group={self.group_size}"
 
 
-def serve_int4_on_cpu(model: nn.Module) -> int:
-    """For serving on the CPU: int4 PackedLinears multiply through PyTorch's CPU int4 kernel, with bf16
-    activations (what W4A16 means, and what the GPU kernels do), instead of dequantizing the whole weight
-    on every call: 120-150x faster per 6.7B-shaped layer at one row (2-3x float32 F.linear), 1.35-1.5x
-    the bundled model's decode, whose small layers leave per-call overhead (benchmarks/cpu_int4.py). The
-    quantizer and the verifier keep the exact float32 path, which the transformers and ONNX references are
-    checked against. Returns how many layers take it (shapes the kernel cannot take stay exact)."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.bits == 4]
+def serve_packed_on_cpu(model: nn.Module) -> int:
+    """For serving on the CPU: packed Linears multiply through PyTorch's CPU kernels (int4, and int8 per
+    channel), with bf16 activations (what W4A16/W8A16 mean, and what the GPU kernels do), instead of
+    dequantizing the whole weight on every call: about 100x faster per 6.7B-shaped layer at one row and
+    2-4x faster than the float32 layer itself; the bundled model decodes 1.6-2x faster, level with its
+    float32 original (benchmarks/cpu_packed.py). The quantizer and the verifier keep the
+    exact float32 path, which the transformers and ONNX references are checked against. Returns how many
+    layers take it (shapes the kernels cannot take stay exact)."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     for layer in layers:
-        layer.cpu_int4 = True
+        layer.cpu_kernel = True
     return sum(1 for layer in layers if layer.decode_weights() is not None)
 
 
