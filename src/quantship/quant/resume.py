@@ -31,9 +31,9 @@ STATE_DIR = "resume"
 LOCK_FILE = ".lock"
 RECORD_SHARE = 0.1  # of the time since the last record, at most this is spent writing the next one
 ALWAYS_RECORD_BYTES = 256 << 20  # activations this small are recorded after every layer
-# A record never leaves less free disk than this: the output's shards, still to be written, come first.
-# (At DeepSeek-V3's width one record of 512 x 2048 calibration tokens is 30 GB, and the old record goes
-# only after the new one is complete.)
+# A large record never leaves less free disk than this: the output's shards, still to be written, come
+# first. (At DeepSeek-V3's width one record of 512 x 2048 calibration tokens is 30 GB, and the old record
+# goes only after the new one is complete.)
 RECORD_DISK_RESERVE = 8 << 30
 
 
@@ -124,10 +124,11 @@ class ResumableRun:
         if size > ALWAYS_RECORD_BYTES and self._last is not None and \
                 (now - self._last[0]) * RECORD_SHARE < self._last[1]:
             return
-        # The record only saves time after a crash: a disk too small for it skips it, and the run goes on.
+        # The record only saves time after a crash: a disk too small for a large one skips it, and the run
+        # goes on (a small one is written; if the disk is full after all, the OSError below drops it).
         needed = size + writer.pending_bytes + RECORD_DISK_RESERVE
         free = shutil.disk_usage(self.tmp).free
-        if free < needed:
+        if size > ALWAYS_RECORD_BYTES and free < needed:
             self._skipped(next_layer, f"it needs {needed / 2**30:.1f} GiB of free disk (with "
                                       f"{RECORD_DISK_RESERVE / 2**30:.0f} GiB kept for the output), "
                                       f"{free / 2**30:.1f} GiB are free")
