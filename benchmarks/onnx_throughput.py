@@ -33,6 +33,7 @@ from quantship.formats.onnx import OnnxOptions, export_onnx  # noqa: E402
 from quantship.formats.onnx_runtime import OnnxModel  # noqa: E402
 from quantship.models.bundled import TINY_DIR  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
+from quantship.models.quantized import serve_packed_on_cpu  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
 
 from _report import table, update_section, write_result  # noqa: E402
@@ -123,6 +124,7 @@ def main() -> None:
         ort_model = OnnxModel(p["export"], threads=THREADS)
         sides[f"ONNX Runtime | {kind}"] = lambda pr, n, m=ort_model: ort_generate(m, pr, n)
         ours = Checkpoint(p["source"]).load_model(dtype=torch.float32)
+        serve_packed_on_cpu(ours)  # as `serve` runs it: int4 through PyTorch's CPU kernel
         sides[f"quantship engine | {kind}"] = lambda pr, n, m=ours: engine_generate(m, pr, n)
         try:
             hf = load_hf(p["source"])
@@ -177,8 +179,8 @@ def main() -> None:
                    "(graph, weights, tokenizer). Shared 2-core host, load average "
                    f"{load_before:.1f} at the start and {load_after:.1f} at the end: compare within a batch size, "
                    "not across runs. transformers reads the W4A16 checkpoint through its compressed-tensors "
-                   "integration; quantship's engine runs its packed Linears with the plain-torch CPU path (the "
-                   "Triton kernels are GPU-only)." + notes + "\n\n"
+                   "integration; quantship's engine runs its int4 Linears as `serve` does on the CPU, through "
+                   "PyTorch's CPU int4 kernel (bf16 activations), and the W8A8 ones dequantized in plain torch." + notes + "\n\n"
                    + table(["type", "runtime", "batch", "decode tok/s", "vs transformers fp32", "export MiB"], rows))
 
 
