@@ -75,13 +75,14 @@ class QuantizedTensor:
         return dequantize(self.integer_values(), self.scale, self.zero_point, self.g_idx).to(dtype)
 
     def integer_values(self) -> torch.Tensor:
-        """values, unpacked from packed_rows where they were kept packed."""
+        """values, unpacked from packed_rows where they were kept packed (compressed-tensors' own unpacking,
+        as the loader's)."""
         if self.values is not None:
             return self.values
-        bits = self.args.num_bits
-        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=self.packed_rows.device)
-        unsigned = (self.packed_rows[:, :, None] >> shifts) & ((1 << bits) - 1)
-        return (unsigned.reshape(self.packed_rows.shape[0], -1) - (1 << (bits - 1))).to(torch.int8)
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        bits, rows = self.args.num_bits, self.packed_rows
+        return unpack_from_int32(rows, bits, torch.Size([rows.shape[0], rows.shape[1] * (32 // bits)]))
 
 
 def expand_groups(t: torch.Tensor, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:

@@ -121,18 +121,18 @@ class ResumableRun:
         --resume (the shards written since the last record are dropped, as they are after any kill)."""
         size = 0 if hidden is None else hidden.numel() * 4
         now = time.monotonic()
-        if size > ALWAYS_RECORD_BYTES and self._last is not None and \
-                (now - self._last[0]) * RECORD_SHARE < self._last[1]:
-            return
-        # The record only saves time after a crash: a disk too small for a large one skips it, and the run
-        # goes on (a small one is written; if the disk is full after all, the OSError below drops it).
-        needed = size + writer.pending_bytes + RECORD_DISK_RESERVE
-        free = shutil.disk_usage(self.tmp).free
-        if size > ALWAYS_RECORD_BYTES and free < needed:
-            self._skipped(next_layer, f"it needs {needed / 2**30:.1f} GiB of free disk (with "
-                                      f"{RECORD_DISK_RESERVE / 2**30:.0f} GiB kept for the output), "
-                                      f"{free / 2**30:.1f} GiB are free")
-            return
+        if size > ALWAYS_RECORD_BYTES:
+            if self._last is not None and (now - self._last[0]) * RECORD_SHARE < self._last[1]:
+                return
+            # The record only saves time after a crash: a disk too small for it skips it, and the run goes on
+            # (a small record is always written; should the disk be full, the OSError below drops it).
+            needed = size + writer.pending_bytes + RECORD_DISK_RESERVE
+            free = shutil.disk_usage(self.tmp).free
+            if free < needed:
+                self._skipped(next_layer, f"it needs {needed / 2**30:.1f} GiB of free disk (with "
+                                          f"{RECORD_DISK_RESERVE / 2**30:.0f} GiB kept for the output), "
+                                          f"{free / 2**30:.1f} GiB are free")
+                return
         try:
             self._record(next_layer, writer, hidden, tallies)
         except OSError as exc:  # the disk filled up after all, or it failed: keep the last complete record
