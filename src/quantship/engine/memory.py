@@ -140,10 +140,12 @@ def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, qu
         attention = tokens * heads * (c.qk_head_dim + latent) * b  # q, absorbed q
         if decode_kernel(c, cuda) and queries == 1:
             attention += tokens * heads * c.kv_lora_rank * FLOAT32
-        else:  # the gathered latent, and SDPA's scores whole (heads chunked within SCORES_BUDGET), twice
+        else:  # the gathered latent, and SDPA's scores (heads chunked within SCORES_BUDGET)
             chunk = min(heads, max(1, SCORES_BUDGET // max(1, padded * keys)))
-            attention += (padded * heads * (latent + c.kv_lora_rank) * b + seqs * keys * latent * b + bias
-                          + 2 * chunk * padded * keys * FLOAT32)
+            # The math backend (CPU) holds the scores and their softmax; on CUDA the H200's peaks at 4K-32K
+            # (benchmarks/capacity_check.py) show one [chunk, Q, K] tensor in the compute dtype beside the mask.
+            scores = (chunk * padded * keys * b) if cuda else 2 * chunk * padded * keys * FLOAT32
+            attention += padded * heads * (latent + c.kv_lora_rank) * b + seqs * keys * latent * b + bias + scores
     elif decode_kernel(c, cuda) and queries == 1:
         attention = tokens * c.num_attention_heads * c.llama_head_dim * (b + FLOAT32)
     else:
