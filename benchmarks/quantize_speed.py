@@ -93,6 +93,7 @@ def write_checkpoint(shape: str, layers: int | None, directory: Path) -> dict:
 
 
 def stdlib_calibration(path: Path, chars: int = 3_000_000) -> None:
+    """At least `chars` characters of Python's standard library as calibration text (fails if it is smaller)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     parts, size = [], 0
     for f in sorted(root.rglob("*.py")):
@@ -104,6 +105,8 @@ def stdlib_calibration(path: Path, chars: int = 3_000_000) -> None:
         size += len(text)
         if size > chars:
             break
+    if size <= chars:
+        raise SystemExit(f"the standard library under {root} holds {size} characters of Python, not {chars}")
     path.write_text("\n\n".join(parts))
 
 

@@ -58,6 +58,9 @@ SHAPES = {"v3": V3, "v3-smoke": dict(V3, vocab_size=8192, hidden_size=256, inter
                                      n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                                      kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16, v_head_dim=32,
                                      qk_nope_head_dim=32)}
+# Characters of calibration text written per token asked for: the 3M characters once written held 831,488
+# tokens (3.6 per token), so a "512-sample" run calibrated on 406 samples.
+CHARS_PER_TOKEN = 5
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -157,6 +160,7 @@ def _quantize_child(model: str, out: str, method: str, samples: int, seq_len: in
         "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "written_bytes": written, "fallbacks": len(recipe["fallbacks"]),
+        "samples_used": recipe.get("calibration", {}).get("samples"),  # fewer than asked where the text ran out
         "tokens_per_expert_first_moe_layer": recipe["tokens_per_expert"].get(first_moe)}))
 
 
@@ -170,7 +174,7 @@ def run(args) -> None:
     info = write_checkpoint(args.shape, args.layers, model, args.device, mtp=not args.no_mtp,
                             dense_layers=args.dense_layers)
     calib = work / "calib.txt"
-    stdlib_calibration(calib)
+    stdlib_calibration(calib, chars=max(args.samples) * args.seq_len * CHARS_PER_TOKEN)
     results = {"shape": args.shape, "config": SHAPES[args.shape], "layers": info["layers"],
                "dense_layers": info["dense_layers"], "mtp": not args.no_mtp, "checkpoint_bytes": info["bytes"],
                "write_seconds": time.time() - start, "seq_len": args.seq_len, "device": args.device,
@@ -228,7 +232,9 @@ def render(paths: list[str]) -> None:
         for run_ in r["runs"]:
             p = projection(r, run_)
             gpu = run_["peak_gpu_bytes"]
-            rows.append([run_["method"].upper(), str(run_["samples"]), _layers_label(r), f"{p['dense_s'] / 60:.1f}",
+            used = run_.get("samples_used") or run_["samples"]
+            samples = str(used) if used == run_["samples"] else f"{used} ({run_['samples']} asked: the text ran out)"
+            rows.append([run_["method"].upper(), samples, _layers_label(r), f"{p['dense_s'] / 60:.1f}",
                          f"{p['moe_s'] / 60:.1f}", f"{p['hours']:.1f}", "" if gpu is None else f"{gpu / 2**30:.1f}",
                          f"{run_['peak_host_bytes'] / 2**30:.1f}", str(run_["fallbacks"])])
         if r["runs"]:
