@@ -123,3 +123,42 @@ def test_mla_prefill_in_head_chunks_equals_one_call(monkeypatch):
         with torch.inference_mode():
             out.append(model(ids[None], positions, batch))
     torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
+
+
+def _mixed_step_split_and_padded(model, monkeypatch, kernel: bool) -> list[torch.Tensor]:
+    """Logits of one step where three sequences decode and one prefills a 12-token chunk, built as
+    parts (decodes apart from the chunk) and padded together as one batch."""
+    from quantship.models import paged
+
+    monkeypatch.setattr(paged, "use_decode_kernel", lambda q: kernel)
+    device = next(model.parameters()).device
+    block, before = 16, [5, 20, 10, 33]  # tokens each sequence holds before the step
+    counts = [1, 1, 12, 1]  # a decode run, the chunk, a decode run: three parts
+    kv = [torch.zeros(16 * block, paged.cache_width(model.config), device=device) for _ in model.model.layers]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    ids = torch.randint(3, 1000, (sum(before) + sum(counts),), generator=torch.Generator().manual_seed(1)).to(device)
+    out = []
+    with torch.inference_mode():
+        batch, positions = paged.PagedBatch.build(kv, tables, [0] * 4, before, block, device)
+        model.hidden_states(ids[None, :sum(before)], positions, batch)
+        for split in (True, False):
+            batch, positions = paged.PagedBatch.build(kv, tables, before, counts, block, device, split=split)
+            if split:
+                assert [(first, end) for _, first, end in batch.parts] == [(0, 2), (2, 14), (14, 15)]
+                assert [part.mask.shape[2] for part, _, _ in batch.parts] == [1, 12, 1]  # no decode padded to 12
+            else:
+                assert not batch.parts and batch.mask.shape[2] == 12
+            out.append(model(ids[None, sum(before):], positions, batch))
+    return out
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_mixed_step_runs_decodes_apart_from_prompt_chunks_with_the_same_logits(llama_dir, monkeypatch, kernel):
+    """Decodes beside a prompt chunk are not padded to the chunk's length (the decode kernel takes them
+    where it runs): the step's logits equal those of the whole step padded together, MLA and Llama."""
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+
+    for directory in (TINY_DIR, llama_dir):
+        model = load_model(directory, torch.float32, device=DEVICE)
+        _assert_close_for_device(*_mixed_step_split_and_padded(model, monkeypatch, kernel))

@@ -162,8 +162,11 @@ def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, qu
 def peak_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
                           batch: int, context: int, cuda: bool) -> int:
     """The largest step the scheduler can form with `batch` running sequences of up to `context`
-    tokens: a whole prefill chunk, a decode of the batch, or both in one step (the decodes are then
-    padded to the chunk's length)."""
+    tokens: a whole prefill chunk, a decode of the batch, or both in one step, modelled with the decodes
+    padded to the chunk's length. The engine now runs a mixed step's decodes apart from its chunk
+    (models/paged.py), which holds less; the padded step is what the H200 out-of-memory points
+    (benchmarks/capacity_check.py) were measured with, so it stays the bound until they are measured
+    again with the split steps."""
     chunk = min(max_num_batched_tokens, context)
     decode = min(batch, max_num_batched_tokens)
     mixed_chunk = max(1, max_num_batched_tokens - (decode - 1))

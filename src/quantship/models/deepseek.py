@@ -91,11 +91,14 @@ class MLAttention(nn.Module, SharedInput):
         w = dense_weight(self.kv_b_proj, x.dtype).view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)  # [N, H, rank + rope]
-        out = batch.latent_decode_attention(index, q, self.kv_lora_rank, self.scale)
-        if out is None:
-            out = self.latent_attention(q, batch, index)
+        out = batch.each(q, lambda q, part: self.paged_latent_attention(q, part, index))
         out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
         return self.o_proj(out)[None]
+
+    def paged_latent_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
+        """Absorbed queries [n, H, rank + rope] → [n, H, rank]: the decode kernel where it runs."""
+        out = batch.latent_decode_attention(index, q, self.kv_lora_rank, self.scale)
+        return out if out is not None else self.latent_attention(q, batch, index)
 
     def latent_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
         """Absorbed queries [N, H, rank + rope] over each sequence's gathered latent context → [N, H, rank]

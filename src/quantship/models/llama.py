@@ -70,15 +70,21 @@ class GQAttention(nn.Module, SharedInput):
         k = self.rotary(self.split_heads(k, self.kv_heads, self.k_norm).transpose(0, 1), cos, sin)
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         batch.write(index, torch.cat((k.reshape(n, -1), v), dim=-1))
+        out = batch.each(q, lambda q, part: self.paged_attention(q, part, index))
+        return self.o_proj(out.reshape(n, -1))[None]
+
+    def paged_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
+        """Queries [n, H, D] over the cache → [n, H, D]: the decode kernel where it runs, else each
+        sequence's context gathered and one masked SDPA call."""
         decoded = batch.decode_attention(index, q, self.kv_heads, self.scale)
         if decoded is not None:
-            return self.o_proj(decoded.reshape(n, -1))[None]
-        context = batch.context(index).to(x.dtype)  # [S, K, 2 * kv_heads * D]
+            return decoded
+        context = batch.context(index).to(q.dtype)  # [S, K, 2 * kv_heads * D]
         s, length = context.shape[:2]
         k, v = context.view(s, length, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = self.expand_kv(k), self.expand_kv(v)
         out = batch.attention(batch.pad(q).transpose(1, 2), k, v, self.scale)
-        return self.o_proj(batch.unpad(out.transpose(1, 2)).reshape(n, -1))[None]
+        return batch.unpad(out.transpose(1, 2))
 
 
 def llama_layer(config: ModelConfig, index: int) -> DecoderLayer:

@@ -3,7 +3,10 @@
 The engine packs the new tokens of several sequences into one flat row [N] (sequence by sequence),
 so every Linear and the MoE run once over the whole batch. Attention is the only per-sequence part:
 queries are gathered into a padded [S, Q] layout and each sequence's keys are gathered from its
-cache blocks into [S, K]; one masked SDPA call then covers prefill chunks and decodes alike.
+cache blocks into [S, K]; one masked SDPA call then covers prefill chunks and decodes alike. A step
+that mixes decodes with prompt chunks runs them as separate parts (PagedBatch.each): padded together,
+every decode would be padded to the chunk's length, and with 255 decodes beside a 257-token chunk
+of an 8K prompt a step of the V2-Lite shape took 6 s on an H200 instead of a fraction of one.
 
 Each layer's cache is one tensor [num_slots, width] (slot = block * block_size + offset): the MLA
 latent (c_kv ‖ k_rope) for DeepSeek, (k ‖ v) for Llama.
@@ -52,13 +55,23 @@ def use_decode_kernel(q: torch.Tensor) -> bool:
 class PagedBatch:
     kv: list[torch.Tensor]  # per layer [num_slots, width]
     slots: torch.Tensor  # [N] where each new token's entry is written
-    query_index: torch.Tensor  # [S, Q] flat index of each sequence's queries (padding points at 0)
-    query_valid: torch.Tensor  # [S, Q] bool
-    unpad_index: torch.Tensor  # [N] positions of the valid queries in the flattened [S * Q]
-    key_slots: torch.Tensor  # [S, K] cache slot of each sequence's keys, positions 0..K-1
-    mask: torch.Tensor  # [S, 1, Q, K] bool: causal and within the sequence's context
-    key_lengths: torch.Tensor  # [S] int32: keys each sequence's last query sees (its context after the step)
+    # The attention fields; None in a step split into parts, whose parts have their own.
+    query_index: torch.Tensor | None  # [S, Q] flat index of each sequence's queries (padding points at 0)
+    query_valid: torch.Tensor | None  # [S, Q] bool
+    unpad_index: torch.Tensor | None  # [N] positions of the valid queries in the flattened [S * Q]
+    key_slots: torch.Tensor | None  # [S, K] cache slot of each sequence's keys, positions 0..K-1
+    mask: torch.Tensor | None  # [S, 1, Q, K] bool: causal and within the sequence's context
+    key_lengths: torch.Tensor | None  # [S] int32: keys each sequence's last query sees (its context after the step)
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # (part, first flat token, end): consecutive sequences that all decode, or all prefill chunks.
+    parts: tuple[tuple[PagedBatch, int, int], ...] = ()
+
+    def each(self, q: torch.Tensor, attend) -> torch.Tensor:
+        """attend(q, batch) → [n, ...] over this step's queries [N, ...], run once per part of a split
+        step (the parts are consecutive ranges of the flat tokens, so their outputs concatenate in order)."""
+        if not self.parts:
+            return attend(q, self)
+        return torch.cat([attend(q[first:end], part) for part, first, end in self.parts])
 
     def cos_sin(self, rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Rope tables of this step's positions, computed once for all layers (one model, one rope)."""
@@ -106,12 +119,25 @@ class PagedBatch:
 
     @classmethod
     def build(cls, kv: list[torch.Tensor], block_tables: list[list[int]], starts: list[int], counts: list[int],
-              block_size: int, device: torch.device, key_len: int | None = None) -> tuple[PagedBatch, torch.Tensor]:
+              block_size: int, device: torch.device, key_len: int | None = None,
+              split: bool = True) -> tuple[PagedBatch, torch.Tensor]:
         """Sequence s computes tokens starts[s] .. starts[s]+counts[s]-1 and sees keys 0 .. that end.
 
-        key_len pads the key axis (masked), for CUDA graphs that need fixed shapes.
+        key_len pads the key axis (masked), for CUDA graphs that need fixed shapes. With `split`, a step
+        mixing decodes (one token) and chunks (more) is made of parts, each run of them padded alone.
         Returns the batch and the positions [N] of the flat tokens.
         """
+        runs = _runs(counts)
+        if split and len(runs) > 1 and key_len is None:
+            parts, positions, first = [], [], 0
+            for i, j in runs:
+                part, at = cls.build(kv, block_tables[i:j], starts[i:j], counts[i:j], block_size, device, split=False)
+                end = first + sum(counts[i:j])
+                parts.append((part, first, end))
+                positions.append(at)
+                first = end
+            slots = torch.cat([part.slots for part, _, _ in parts])
+            return cls(kv, slots, None, None, None, None, None, None, parts=tuple(parts)), torch.cat(positions)
         s, q, k = len(counts), max(counts), max(a + n for a, n in zip(starts, counts))
         k = max(k, key_len or 0)
         width = max(len(t) for t in block_tables)
@@ -153,6 +179,17 @@ class PagedBatch:
         batch = cls(kv, slots, rows[:, None], torch.ones(s, 1, dtype=torch.bool, device=device), rows, key_slots,
                     mask, lengths.to(torch.int32))
         return batch, positions
+
+
+def _runs(counts: list[int]) -> list[tuple[int, int]]:
+    """[i, j) ranges of consecutive sequences that all decode (count 1) or all prefill (count > 1)."""
+    runs = []
+    for i, count in enumerate(counts):
+        if runs and (counts[runs[-1][0]] == 1) == (count == 1):
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(i, j) for i, j in runs]
 
 
 def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
