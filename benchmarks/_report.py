@@ -31,3 +31,19 @@ def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def run_or_render(doc: str, add_run_arguments, run, render) -> None:
+    """The two commands of a benchmark script: `run` (its arguments added by add_run_arguments(parser),
+    run(args) called) and `render PATHS` (result files into BENCHMARKS.md)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_run_arguments(sub.add_parser("run"))
+    sub.add_parser("render").add_argument("paths", nargs="+")
+    args = ap.parse_args()
+    if args.cmd == "render":
+        render(args.paths)
+    else:
+        run(args)

@@ -18,7 +18,6 @@ both ways on the same cache, alternating, median of ROUNDS, and the largest logi
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import table, update_section, write_result  # noqa: E402
+from _report import run_or_render, table, update_section, write_result  # noqa: E402
 
 ROUNDS, BLOCK = 5, 16
 
@@ -129,10 +128,7 @@ def render(paths: list[str]) -> None:
     update_section("mixed_step", "\n".join(text))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
+def _run_arguments(r) -> None:
     r.add_argument("--shape", default="bundled", help="bundled, or a shape of quantize_speed.py (random weights)")
     r.add_argument("--layers", type=int, help="decoder layers of a shape (default: all)")
     r.add_argument("--device", default="cpu")
@@ -140,14 +136,7 @@ def main() -> None:
     r.add_argument("--decodes", type=int, default=32)
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--out", default="benchmarks/results")
-    g = sub.add_parser("render")
-    g.add_argument("paths", nargs="+")
-    args = ap.parse_args()
-    if args.cmd == "render":
-        render(args.paths)
-    else:
-        run(args)
 
 
 if __name__ == "__main__":
-    main()
+    run_or_render(__doc__, _run_arguments, run, render)
