@@ -19,6 +19,8 @@ resume records of the activations filled before the old one was deleted. quantiz
 the disk cannot hold. Keep the output in a file with `| tee $OUT/log`):
     PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 2 --dense-layers 1 --no-mtp --methods gptq awq \
         --samples 512 --suffix _512 --out $OUT
+(its first GPTQ run took 8 of its 10 minutes at 406 samples: give each method its own command, and
+--expert-hessian-gb 60 gathers the 256 experts' Hessians in one calibration pass instead of 7)
 The same script on a CPU, on a V3-structured model of a few MB (checks the script, measures nothing):
     .venv/bin/python benchmarks/quantize_v3.py run --shape v3-smoke --device cpu --samples 8 --seq-len 64 \
         --methods rtn gptq --out /tmp/v3-smoke
@@ -132,7 +134,7 @@ def write_checkpoint(shape: str, layers: int, directory: Path, device: str, mtp:
 
 
 def _quantize_child(model: str, out: str, method: str, samples: int, seq_len: int, calib: str, device: str,
-                    result: str) -> None:
+                    result: str, expert_hessian_gb: float | None = None) -> None:
     """Runs in its own process: its ru_maxrss is this method's peak host memory alone."""
     from quantship.quant.pipeline import QuantizeOptions, quantize
 
@@ -150,7 +152,9 @@ def _quantize_child(model: str, out: str, method: str, samples: int, seq_len: in
         torch.cuda.reset_peak_memory_stats()
     start = time.time()
     recipe = quantize(model, out, QuantizeOptions(scheme="W4A16", method=method, calib=Path(calib), samples=samples,
-                                                  seq_len=seq_len, device=device, mtp="quantize"),
+                                                  seq_len=seq_len, device=device, mtp="quantize",
+                                                  **({"expert_hessian_gb": expert_hessian_gb} if expert_hessian_gb
+                                                     else {})),
                       progress=mark)
     seconds = time.time() - start
     written = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
@@ -186,13 +190,15 @@ def run(args) -> None:
             out, result = work / f"out-{method}", work / "result.json"
             shutil.rmtree(out, ignore_errors=True)
             child = spawn.Process(target=_quantize_child, args=(str(model), str(out), method, samples, args.seq_len,
-                                                                 str(calib), args.device, str(result)))
+                                                                 str(calib), args.device, str(result),
+                                                                 args.expert_hessian_gb))
             child.start()
             child.join()
             if child.exitcode != 0:
                 print(f"{method} x {samples} samples failed (exit {child.exitcode})", flush=True)
                 continue
-            row = {"method": method, "samples": samples, **json.loads(result.read_text())}
+            row = {"method": method, "samples": samples, "expert_hessian_gb": args.expert_hessian_gb,
+                   **json.loads(result.read_text())}
             results["runs"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tokens_per_expert_first_moe_layer"}), flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -234,7 +240,9 @@ def render(paths: list[str]) -> None:
             gpu = run_["peak_gpu_bytes"]
             used = run_.get("samples_used") or run_["samples"]
             samples = str(used) if used == run_["samples"] else f"{used} ({run_['samples']} asked: the text ran out)"
-            rows.append([run_["method"].upper(), samples, _layers_label(r), f"{p['dense_s'] / 60:.1f}",
+            budget = run_.get("expert_hessian_gb")
+            method = run_["method"].upper() + (f" (--expert-hessian-gb {budget:g})" if budget else "")
+            rows.append([method, samples, _layers_label(r), f"{p['dense_s'] / 60:.1f}",
                          f"{p['moe_s'] / 60:.1f}", f"{p['hours']:.1f}", "" if gpu is None else f"{gpu / 2**30:.1f}",
                          f"{run_['peak_host_bytes'] / 2**30:.1f}", str(run_["fallbacks"])])
         if r["runs"]:
@@ -271,6 +279,7 @@ def main() -> None:
     r.add_argument("--workdir", default="/tmp/qv3-bench")
     r.add_argument("--out", default="benchmarks/results")
     r.add_argument("--suffix", default="", help="added to the result's file name (quantize_v3SUFFIX.json)")
+    r.add_argument("--expert-hessian-gb", type=float, help="quantize's --expert-hessian-gb (default: quantize's)")
     g = sub.add_parser("render")
     g.add_argument("paths", nargs="+", help="result files; the first one's checkpoint describes the section")
     args = ap.parse_args()

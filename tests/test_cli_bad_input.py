@@ -37,6 +37,7 @@ CASES = [
     ("quantize -o {tmp}/q --samples 0", "--samples"),
     ("quantize -o {tmp}/q --seq-len 99999", "--seq-len 99999 exceeds the model's context"),
     ("quantize -o {tmp}/q --dampening inf", "--dampening"),
+    ("quantize -o {tmp}/q --method gptq --expert-hessian-gb 0", "--expert-hessian-gb"),
     ("quantize -o {tmp}/q --group-size 7", "--group-size"),
     ("export tiny --format gguf -o {tmp}/t.gguf --samples 0", "--samples"),
     ("verify tiny tiny --report {tmp}/r --ctx 0", "--ctx"),

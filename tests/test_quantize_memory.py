@@ -146,7 +146,7 @@ def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch
     quantize("tiny", tmp_path / "one", options, progress=False)
     assert set(passes) == {None}
     passes.clear()
-    monkeypatch.setattr(pipeline, "EXPERT_HESSIAN_BYTES", 3 * per_expert)
+    options.expert_hessian_gb = 3 * per_expert / 2**30  # --expert-hessian-gb: three experts' Hessians a pass
     quantize("tiny", tmp_path / "groups", options, progress=False)
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     assert passes.count(range(0, 3)) == passes.count(range(6, 8)) == moe_layers  # 8 experts: 3 + 3 + 2

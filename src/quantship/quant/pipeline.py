@@ -77,6 +77,15 @@ class Method:
 METHODS = {m.name: m for m in (Method("rtn"), Method("awq", awq=True), Method("gptq", gptq=True))}
 
 
+# GPTQ holds one Hessian per input of every Linear it solves. DeepSeek-V3's 256 routed experts take 57 GB
+# of them in float32 (7168² for gate/up, 2048² for down, each expert): past this budget (GiB, the default
+# of --expert-hessian-gb) the experts' statistics are gathered and solved a group at a time, one
+# calibration pass of the layer per group: 7 passes of each V3 MoE layer at 8 GiB. The default keeps the
+# V3 shape's peak within an 80 GB card (43.4 GiB measured on an H200 at 406 x 2048 tokens); a larger
+# card can take all 256 experts' Hessians in one pass.
+EXPERT_HESSIAN_GB = 8.0
+
+
 @dataclass
 class QuantizeOptions:
     scheme: str = "W4A16"
@@ -96,6 +105,8 @@ class QuantizeOptions:
     mtp: str = "keep"  # what happens to DeepSeek-V3's multi-token-prediction layer: keep, quantize, drop
     strict_groups: bool = False  # refuse a group size that does not divide a layer (no fallback)
     resume: bool = False  # continue an interrupted run into the same OUT from its first unfinished layer
+    # GPTQ: GB of routed experts' Hessians gathered in one calibration pass of a MoE layer (see _expert_groups).
+    expert_hessian_gb: float = EXPERT_HESSIAN_GB
 
 
 def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
@@ -125,6 +136,8 @@ def _validate(ck: Checkpoint, out: Path, opts: QuantizeOptions) -> None:
                              f"{ck.config.max_position_embeddings} tokens", ck.path)
     if not 0 < opts.dampening <= 1:  # also refuses NaN
         raise QuantshipError(f"--dampening must be in (0, 1], got {opts.dampening}")
+    if not 0 < opts.expert_hessian_gb < float("inf"):
+        raise QuantshipError(f"--expert-hessian-gb must be a positive number of GiB, got {opts.expert_hessian_gb}")
     for pattern in (p for p in opts.ignore if p.startswith("re:")):
         try:
             re.compile(pattern[3:])
@@ -331,24 +344,20 @@ def _activation_store(device: torch.device, tokens: int, hidden_size: int) -> to
         else device
 
 
-# GPTQ holds one Hessian per input of every Linear it solves. DeepSeek-V3's 256 routed experts take 57 GB
-# of them in float32 (7168² for gate/up, 2048² for down, each expert): past this budget the experts'
-# statistics are gathered and solved a group at a time, one calibration pass of the layer per group.
-EXPERT_HESSIAN_BYTES = 8 << 30
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
-def _experts_per_group(hidden: int, intermediate: int) -> int:
+def _experts_per_group(hidden: int, intermediate: int, budget_gb: float) -> int:
     """Routed experts whose GPTQ Hessians fit the budget (gate and up share one, down has its own)."""
-    return max(1, EXPERT_HESSIAN_BYTES // (4 * (hidden ** 2 + intermediate ** 2)))
+    return max(1, int(budget_gb * 2**30) // (4 * (hidden ** 2 + intermediate ** 2)))
 
 
-def _expert_groups(layer: nn.Module) -> list[range | None]:
+def _expert_groups(layer: nn.Module, budget_gb: float) -> list[range | None]:
     """[None] (every expert in one pass), or ranges of routed experts whose Hessians fit the budget."""
     experts = getattr(layer.mlp, "experts", None)
     if not experts:
         return [None]
-    size = _experts_per_group(experts[0].gate_proj.in_features, experts[0].down_proj.in_features)
+    size = _experts_per_group(experts[0].gate_proj.in_features, experts[0].down_proj.in_features, budget_gb)
     if size >= len(experts):
         return [None]
     return [range(start, min(start + size, len(experts))) for start in range(0, len(experts), size)]
@@ -379,7 +388,7 @@ def _quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, positio
         awq_report = {prefix + k: v for k, v in report.items()}
     quantized: dict[str, QuantizedTensor] = {}
     expert_tokens: list[int] = []
-    groups = _expert_groups(layer) if method.gptq and hidden is not None else [None]
+    groups = _expert_groups(layer, opts.expert_hessian_gb) if method.gptq and hidden is not None else [None]
     for number, group in enumerate(groups):
         # With several groups each pass hooks one group of routed experts (the first pass also every other
         # Linear); statistics come from the unquantized layer in every pass, so the results are the same.
@@ -481,7 +490,8 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions,
 
 def _settings(path: Path, ck: Checkpoint, calib_path: Path, opts: QuantizeOptions) -> dict:
     """Everything that decides the output's bytes: a resumed run must match them all."""
-    chosen = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("overwrite", "resume")}
+    # The Hessian budget only decides how many passes gather the same statistics: a resumed run may change it.
+    chosen = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("overwrite", "resume", "expert_hessian_gb")}
     chosen["calib"] = str(calib_path.resolve())
     return {**chosen, "source": str(path.resolve()), "quantship_version": __version__,
             "source_files": source_fingerprint(path, list(ck.files.values())),
@@ -600,7 +610,8 @@ def _memory_plan(ck: Checkpoint, opts: QuantizeOptions, device: torch.device, to
             "activation_bytes": tokens * c.hidden_size * 4, "expert_groups": 1,
             "routed_experts": ("fp8 blocks" if ck.fp8_source else "as stored") if held else "float32"}
     if METHODS[opts.method].gptq and c.n_routed_experts:
-        plan["expert_groups"] = -(-c.n_routed_experts // _experts_per_group(c.hidden_size, c.moe_intermediate_size))
+        plan["expert_groups"] = -(-c.n_routed_experts // _experts_per_group(c.hidden_size, c.moe_intermediate_size,
+                                                                             opts.expert_hessian_gb))
     return plan
 
 
