@@ -47,7 +47,11 @@ def _model(shape: str, layers: int | None, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     config = config_from_dict({**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})})
     with torch.device(device):
-        return CausalLM(config).to(dtype).eval().requires_grad_(False)
+        model = CausalLM(config).to(dtype).eval().requires_grad_(False)
+    for m in model.modules():  # spread the routing over the experts, as capacity_check.py does
+        if type(m).__name__ == "Router":
+            torch.nn.init.normal_(m.weight, std=0.02)
+    return model
 
 
 def _sync(device: str) -> None:
