@@ -171,6 +171,39 @@ def test_cpu_kernels_are_skipped_where_they_cannot_run():
     assert layer._decode is None and layer(x.bfloat16()).dtype == torch.bfloat16 and layer._decode is not first
 
 
+def test_w8a8_on_the_cpu_is_one_integer_matmul_equal_to_the_reference():
+    """W8A8 served on the CPU multiplies int8 activations (a scale per token) by int8 weights (a scale per
+    channel) in one exact integer matmul: equal to the quantize-dequantize reference to float32 rounding,
+    for one row and many, with a bias and odd shapes; grouped or asymmetric weights keep the reference."""
+    from quantship.kernels import int8
+
+    g = torch.Generator().manual_seed(8)
+    for n, k in ((48, 512), (30, 100)):
+        values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale, bias = torch.rand(n, 1, generator=g) * 0.01, torch.randn(n, generator=g)
+        layer = QuantLinear(values, scale, bias=bias, activations="int")
+        reference = QuantLinear(values, scale, bias=bias, activations="int")
+        assert serve_packed_on_cpu(layer) == 1 and layer.cpu_kernel and not reference.cpu_kernel
+        calls = []
+        original = int8.scaled_linear
+        int8.scaled_linear = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        try:
+            for m in (1, 37):
+                x = torch.randn(2, m, k, generator=g)
+                out, expected = layer(x), reference(x)
+                assert out.shape == expected.shape == (2, m, n) and out.dtype == x.dtype
+                assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4), (out - expected).abs().max()
+        finally:
+            int8.scaled_linear = original
+        assert len(calls) == 2
+    values = torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8)
+    grouped = QuantLinear(values, torch.rand(16, 2, generator=g), activations="int")
+    asymmetric = QuantLinear(values, torch.rand(16, 1, generator=g), torch.ones(16, 1, dtype=torch.int8),
+                             activations="int")
+    weight_only = QuantLinear(values, torch.rand(16, 1, generator=g))
+    assert serve_packed_on_cpu(torch.nn.Sequential(grouped, asymmetric, weight_only)) == 0
+
+
 def test_layers_the_kernel_cannot_take_stay_unpacked():
     values, scale, _ = random_quantized(16, 96, 4, 32, True, seed=2)
     assert isinstance(quant_linear(values, scale.t(), bits=4, activations="int"), QuantLinear)  # W8A8-style

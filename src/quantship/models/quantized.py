@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantship.kernels import fp8, on_gpu_kernel, wna16
+from quantship.kernels import fp8, int8, on_gpu_kernel, wna16
 from quantship.models.fp8_block import Fp8BlockLinear
 from quantship.quantized_tensor import FP8_MAX, ActivationQuant, QuantizedTensor, dequantize
 
@@ -35,6 +35,8 @@ def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """A Linear whose weight is stored quantized. Buffers are named as in the checkpoint."""
 
+    cpu_kernel = False  # True (serve_packed_on_cpu): W8A8 on the CPU as one integer matmul (kernels/int8.py)
+
     def __init__(self, values, scale, zero=None, g_idx=None, bias=None, activations: str | None = None):
         super().__init__()
         self.out_features, self.in_features = values.shape
@@ -51,9 +53,16 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_tensor_cores(x):
             return fp8.scaled_linear(x, self.weight_values, self.weight_scale, self.bias)
+        if self.cpu_kernel and self.int8_matmul() and x.device.type == "cpu":
+            return int8.scaled_linear(x, self.weight_values, self.weight_scale, self.bias)
         if self.activations:
             x = quantize_activations(x, self.activations)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def int8_matmul(self) -> bool:
+        """W8A8 (int8 activations per token, int8 weights per channel) the CPU's integer matmul takes."""
+        return self.activations == "int" and int8.supports(self.weight_values, self.weight_scale,
+                                                            self.weight_zero_point, self.weight_g_idx)
 
     def fp8_tensor_cores(self, x: torch.Tensor) -> bool:
         """FP8_DYNAMIC (float8 weights with one scale per output channel, float8 activations per token)
@@ -179,13 +188,17 @@ def serve_packed_on_cpu(model: nn.Module) -> int:
     channel), with bf16 activations (what W4A16/W8A16 mean, and what the GPU kernels do), instead of
     dequantizing the whole weight on every call: about 100x faster per 6.7B-shaped layer at one row and
     2-4x faster than the float32 layer itself; the bundled model decodes 1.6-2x faster, level with its
-    float32 original (benchmarks/cpu_packed.py). The quantizer and the verifier keep the
-    exact float32 path, which the transformers and ONNX references are checked against. Returns how many
-    layers take it (shapes the kernels cannot take stay exact)."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for layer in layers:
+    float32 original (benchmarks/cpu_packed.py). W8A8 Linears multiply int8 by int8 (kernels/int8.py).
+    The quantizer and the verifier keep the exact float32 path, which the transformers and ONNX
+    references are checked against. Returns how many layers take a kernel (shapes the kernels cannot take
+    stay exact)."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for layer in packed:
         layer.cpu_kernel = True
-    return sum(1 for layer in layers if layer.decode_weights() is not None)
+    w8a8 = [m for m in model.modules() if isinstance(m, QuantLinear) and m.int8_matmul()]
+    for layer in w8a8:
+        layer.cpu_kernel = True
+    return sum(1 for layer in packed if layer.decode_weights() is not None) + len(w8a8)
 
 
 def _packable(bits: int, group_size: int, in_features: int) -> bool:
