@@ -124,7 +124,7 @@ def main() -> None:
         ort_model = OnnxModel(p["export"], threads=THREADS)
         sides[f"ONNX Runtime | {kind}"] = lambda pr, n, m=ort_model: ort_generate(m, pr, n)
         ours = Checkpoint(p["source"]).load_model(dtype=torch.float32)
-        serve_packed_on_cpu(ours)  # as `serve` runs it: int4 through PyTorch's CPU kernel
+        serve_packed_on_cpu(ours)  # as `serve` runs it: int4 through PyTorch's CPU kernel, W8A8 as int8 x int8
         sides[f"quantship engine | {kind}"] = lambda pr, n, m=ours: engine_generate(m, pr, n)
         try:
             hf = load_hf(p["source"])
@@ -180,7 +180,8 @@ def main() -> None:
                    f"{load_before:.1f} at the start and {load_after:.1f} at the end: compare within a batch size, "
                    "not across runs. transformers reads the W4A16 checkpoint through its compressed-tensors "
                    "integration; quantship's engine runs its int4 Linears as `serve` does on the CPU, through "
-                   "PyTorch's CPU int4 kernel (bf16 activations), and the W8A8 ones dequantized in plain torch." + notes + "\n\n"
+                   "PyTorch's CPU int4 kernel (bf16 activations), and its W8A8 ones through one int8 x int8 matmul "
+                   "(torch._int_mm)." + notes + "\n\n"
                    + table(["type", "runtime", "batch", "decode tok/s", "vs transformers fp32", "export MiB"], rows))
 
 
