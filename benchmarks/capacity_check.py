@@ -105,18 +105,10 @@ def run_cpu(out: Path) -> dict:
 
 def gpu_model(shape: str, scheme: str | None):
     from engine_throughput import quantized_copy
-    from quantize_speed import SHAPES
+    from quantize_speed import random_model
 
-    from quantship.models.causal_lm import CausalLM
-    from quantship.models.config import config_from_dict
-
-    config = config_from_dict(SHAPES[shape])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = CausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
-    for m in model.modules():
-        if hasattr(m, "e_score_correction_bias") or type(m).__name__ == "Router":
-            torch.nn.init.normal_(m.weight, std=0.02)  # spread the routing over the experts
+    model = random_model(shape, "cuda")
+    config = model.config
     if scheme == "W4A16":
         quantized = quantized_copy(model)
         del model
@@ -227,11 +219,6 @@ def measured_oom(model, context: int, predicted: int, batch_cap: int, budget_tok
 
 def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...] | None,
             last_chunk: bool = False) -> dict:
-    import tempfile
-
-    from quantize_speed import SHAPES
-
-    from quantship.deploy.capacity import Request, plan
     from quantship.engine import memory
 
     props = torch.cuda.get_device_properties(0)
@@ -244,9 +231,7 @@ def run_gpu(shape: str, scheme: str | None, out: Path, contexts: tuple[int, ...]
     memory.prefer_expandable_segments(torch.device("cuda"))  # what load_engine does before loading weights
     model, config = gpu_model(shape, scheme)
     weights_loaded = torch.cuda.memory_allocated()
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps(SHAPES[shape]))
-        p = plan(Request(model=d, scheme=scheme, gpu="H200", contexts=contexts or GPU_CONTEXTS[shape]))
+    p = h200_plan(shape, scheme, contexts or GPU_CONTEXTS[shape])
     result = {"where": "gpu", "shape": shape, "scheme": scheme or "BF16", "device": props.name,
               "torch": torch.__version__, "total_memory": props.total_memory, "free_at_start": free_at_start,
               "cuda_total": total, "weights_allocated": weights_loaded, "plan": p.to_dict(), "rows": [], "trials": [],
@@ -293,23 +278,27 @@ def _unexplained(result: dict, context: int) -> str:
     return f"{(t['peak_allocated'] - modelled) / 1e9:+.2f}"
 
 
-def _planned_now(result: dict) -> dict[int, int]:
-    """The current planner's out-of-memory prediction for a run's shape and scheme, per context: runs
-    stay comparable after the planner's models change."""
+def h200_plan(shape: str, scheme: str | None, contexts: tuple[int, ...]):
+    """The planner's plan for a shape's config (a directory holding only its config.json) on an H200."""
     import tempfile
 
     from quantize_speed import SHAPES
 
     from quantship.deploy.capacity import Request, plan
 
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(SHAPES[shape]))
+        return plan(Request(model=d, scheme=scheme, gpu="H200", contexts=contexts))
+
+
+def _planned_now(result: dict) -> dict[int, int]:
+    """The current planner's out-of-memory prediction for a run's shape and scheme, per context: runs
+    stay comparable after the planner's models change."""
     contexts = tuple(row["context"] for row in result["rows"])
     if not contexts:
         return {}
     scheme = None if result["scheme"] == "BF16" else result["scheme"]
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps(SHAPES[result["shape"]]))
-        return {row.context: row.seqs_oom for row in plan(Request(model=d, scheme=scheme, gpu="H200",
-                                                                     contexts=contexts)).rows}
+    return {row.context: row.seqs_oom for row in h200_plan(result["shape"], scheme, contexts).rows}
 
 
 def _error(predicted: int, measured: int) -> str:

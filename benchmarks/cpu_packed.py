@@ -5,7 +5,7 @@
 A packed Linear on the CPU used to dequantize its whole weight to float32 on every forward, then call
 F.linear: a quantized model decoded slower than the float32 one it came from. Serving (`serve`,
 `generate`) now sends int4 and per-channel int8 layers through PyTorch's CPU kernels with bf16
-activations, and W8A8 layers through one int8 x int8 matmul (models/quantized.serve_packed_on_cpu,
+activations, and W8A8 layers through one int8 x int8 matmul (models/quantized.use_cpu_kernels,
 kernels/int8.py); the quantizer and the verifier keep the exact path.
 Measured here, in one run, alternating the sides, median of ROUNDS:
 
@@ -46,6 +46,16 @@ def _time(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def _median_ms(sides: dict) -> dict[str, float]:
+    """Each side's median call time in ms over ROUNDS alternating rounds (dequantize, the slow one, timed
+    over fewer calls)."""
+    times = {name: [] for name in sides}
+    for _ in range(ROUNDS):
+        for name, fn in sides.items():
+            times[name].append(_time(fn, 2 if name == "dequantize" else 20))
+    return {f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def layer_rows() -> list[dict]:
     import torch.nn.functional as F
 
@@ -66,12 +76,7 @@ def layer_rows() -> list[dict]:
                 sides = {"kernel": lambda: wna16.cpu_matmul(x, made, bits, group, n),
                          "dequantize": lambda: F.linear(x, wna16.dequantize(packed, scale, None, bits, k, group)),
                          "float32": lambda: F.linear(x, full)}
-                times = {name: [] for name in sides}
-                for _ in range(ROUNDS):
-                    for name, fn in sides.items():
-                        times[name].append(_time(fn, 2 if name == "dequantize" else 20))
-                rows.append({"shape": label, "bits": bits, "m": m,
-                             **{f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()}})
+                rows.append({"shape": label, "bits": bits, "m": m, **_median_ms(sides)})
                 print(rows[-1], flush=True)
         rows += w8a8_rows(label, n, k, g)
     return rows
@@ -94,12 +99,7 @@ def w8a8_rows(label: str, n: int, k: int, g: torch.Generator) -> list[dict]:
         sides = {"kernel": lambda: int8.scaled_linear(x, values, scale),
                  "dequantize": lambda: F.linear(quantize_activations(x, "int"), values.float() * scale),
                  "float32": lambda: F.linear(x, full)}
-        times = {name: [] for name in sides}
-        for _ in range(ROUNDS):
-            for name, fn in sides.items():
-                times[name].append(_time(fn, 2 if name == "dequantize" else 20))
-        rows.append({"shape": label, "bits": 8, "weights": "W8A8 (int8 x int8)", "m": m,
-                     **{f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()}})
+        rows.append({"shape": label, "bits": 8, "weights": "W8A8 (int8 x int8)", "m": m, **_median_ms(sides)})
         print(rows[-1], flush=True)
     return rows
 
@@ -136,7 +136,7 @@ def held_out_ids(limit: int = 1024) -> torch.Tensor:
 def engine_rows(work: Path) -> tuple[list[dict], dict]:
     from quantship.models.bundled import TINY_DIR
     from quantship.models.loader import Checkpoint
-    from quantship.models.quantized import PackedLinear, QuantLinear, serve_packed_on_cpu
+    from quantship.models.quantized import PackedLinear, QuantLinear, use_cpu_kernels
     from quantship.quant.pipeline import QuantizeOptions, quantize
 
     sides = {"float32 original": Checkpoint(TINY_DIR).load_model(dtype=torch.float32)}
@@ -146,7 +146,7 @@ def engine_rows(work: Path) -> tuple[list[dict], dict]:
         quantize("tiny", source, QuantizeOptions(scheme=scheme, method="rtn"), progress=False)
         exact = Checkpoint(source).load_model(dtype=torch.float32)
         kernel = Checkpoint(source).load_model(dtype=torch.float32)
-        layers = serve_packed_on_cpu(kernel)
+        layers = use_cpu_kernels(kernel)
         assert layers == sum(isinstance(m, (PackedLinear, QuantLinear)) for m in kernel.modules()), \
             "a layer kept the exact path"
         sides[f"{scheme}, dequantize + F.linear"] = exact

@@ -39,19 +39,9 @@ def _model(shape: str, layers: int | None, device: str, dtype: torch.dtype):
 
     if shape == "bundled":
         return load_model(TINY_DIR, dtype, device=device)
-    from quantize_speed import SHAPES
+    from quantize_speed import random_model
 
-    from quantship.models.causal_lm import CausalLM
-    from quantship.models.config import config_from_dict
-
-    torch.manual_seed(0)
-    config = config_from_dict({**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})})
-    with torch.device(device):
-        model = CausalLM(config).to(dtype).eval().requires_grad_(False)
-    for m in model.modules():  # spread the routing over the experts, as capacity_check.py does
-        if type(m).__name__ == "Router":
-            torch.nn.init.normal_(m.weight, std=0.02)
-    return model
+    return random_model(shape, device, dtype, layers)
 
 
 def _sync(device: str) -> None:

@@ -33,7 +33,7 @@ from quantship.formats.onnx import OnnxOptions, export_onnx  # noqa: E402
 from quantship.formats.onnx_runtime import OnnxModel  # noqa: E402
 from quantship.models.bundled import TINY_DIR  # noqa: E402
 from quantship.models.loader import Checkpoint  # noqa: E402
-from quantship.models.quantized import serve_packed_on_cpu  # noqa: E402
+from quantship.models.quantized import use_cpu_kernels  # noqa: E402
 from quantship.quant.pipeline import QuantizeOptions, quantize  # noqa: E402
 
 from _report import table, update_section, write_result  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> None:
         ort_model = OnnxModel(p["export"], threads=THREADS)
         sides[f"ONNX Runtime | {kind}"] = lambda pr, n, m=ort_model: ort_generate(m, pr, n)
         ours = Checkpoint(p["source"]).load_model(dtype=torch.float32)
-        serve_packed_on_cpu(ours)  # as `serve` runs it: int4 through PyTorch's CPU kernel, W8A8 as int8 x int8
+        use_cpu_kernels(ours)  # as `serve` runs it: int4 through PyTorch's CPU kernel, W8A8 as int8 x int8
         sides[f"quantship engine | {kind}"] = lambda pr, n, m=ours: engine_generate(m, pr, n)
         try:
             hf = load_hf(p["source"])

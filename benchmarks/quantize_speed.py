@@ -54,6 +54,22 @@ SHAPES = {
 IGNORE = {"v2-lite": ["re:.*layers\\.0\\.mlp\\.down_proj$"]}
 
 
+def random_model(shape: str, device: str, dtype: torch.dtype = torch.bfloat16, layers: int | None = None):
+    """A model of a shape's real config (or its first `layers` decoder layers) with random weights, built on
+    `device`, routers spread over their experts (default init sends most tokens to a few)."""
+    from quantship.models.causal_lm import CausalLM
+    from quantship.models.config import config_from_dict
+
+    config = config_from_dict({**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = CausalLM(config).to(dtype).eval().requires_grad_(False)
+    for m in model.modules():
+        if type(m).__name__ == "Router":
+            torch.nn.init.normal_(m.weight, std=0.02)
+    return model
+
+
 def write_checkpoint(shape: str, layers: int | None, directory: Path) -> dict:
     from quantship.models.causal_lm import CausalLM
     from quantship.models.config import config_from_dict

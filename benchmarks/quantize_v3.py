@@ -136,7 +136,7 @@ def write_checkpoint(shape: str, layers: int, directory: Path, device: str, mtp:
 def _quantize_child(model: str, out: str, method: str, samples: int, seq_len: int, calib: str, device: str,
                     result: str, expert_hessian_gb: float | None = None) -> None:
     """Runs in its own process: its ru_maxrss is this method's peak host memory alone."""
-    from quantship.quant.pipeline import QuantizeOptions, quantize
+    from quantship.quant.pipeline import EXPERT_HESSIAN_GB, QuantizeOptions, quantize
 
     marks: list[float] = []
 
@@ -153,8 +153,7 @@ def _quantize_child(model: str, out: str, method: str, samples: int, seq_len: in
     start = time.time()
     recipe = quantize(model, out, QuantizeOptions(scheme="W4A16", method=method, calib=Path(calib), samples=samples,
                                                   seq_len=seq_len, device=device, mtp="quantize",
-                                                  **({"expert_hessian_gb": expert_hessian_gb} if expert_hessian_gb
-                                                     else {})),
+                                                  expert_hessian_gb=expert_hessian_gb or EXPERT_HESSIAN_GB),
                       progress=mark)
     seconds = time.time() - start
     written = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantship.kernels import wna16
-from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, serve_packed_on_cpu, weight_bytes
+from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, use_cpu_kernels, weight_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytest.importorskip("triton")
@@ -120,7 +120,7 @@ def test_packed_linear_holds_packed_bytes_and_matches_the_unpacked_layer():
     assert weight_bytes(packed) == weight_and_bias
     # Serving on the CPU, int4 goes through PyTorch's kernel with bf16 activations (W4A16): within bf16's
     # rounding, and the kernel's weight copy is counted.
-    assert serve_packed_on_cpu(packed) == 1
+    assert use_cpu_kernels(packed) == 1
     error = (packed(x) - plain(x)).norm() / plain(x).norm()
     assert 0 < error < 1e-2, error.item()
     assert weight_bytes(packed) == weight_and_bias + sum(t.numel() * t.element_size() for t in packed._decode)
@@ -159,11 +159,11 @@ def test_cpu_kernels_are_skipped_where_they_cannot_run():
     values, scale, _ = random_quantized(64, 128, 4, 16, True, seed=4)
     layer = quant_linear(values, scale.t(), bits=4)
     x = torch.randn(3, 128)
-    assert serve_packed_on_cpu(layer) == 0 and layer.decode_weights() is None
+    assert use_cpu_kernels(layer) == 0 and layer.decode_weights() is None
     assert torch.allclose(layer(x), QuantLinear(values, scale.t())(x), atol=1e-5)
     values, scale, _ = random_quantized(64, 128, 4, 32, True, seed=5)
     layer = quant_linear(values, scale.t(), bits=4)
-    assert serve_packed_on_cpu(layer) == 1
+    assert use_cpu_kernels(layer) == 1
     layer(x)
     first = layer._decode
     assert first
@@ -171,7 +171,7 @@ def test_cpu_kernels_are_skipped_where_they_cannot_run():
     assert layer._decode is None and layer(x.bfloat16()).dtype == torch.bfloat16 and layer._decode is not first
 
 
-def test_w8a8_on_the_cpu_is_one_integer_matmul_equal_to_the_reference():
+def test_w8a8_on_the_cpu_is_one_integer_matmul_equal_to_the_reference(monkeypatch):
     """W8A8 served on the CPU multiplies int8 activations (a scale per token) by int8 weights (a scale per
     channel) in one exact integer matmul: equal to the quantize-dequantize reference to float32 rounding,
     for one row and many, with a bias and odd shapes; grouped or asymmetric weights keep the reference."""
@@ -183,25 +183,23 @@ def test_w8a8_on_the_cpu_is_one_integer_matmul_equal_to_the_reference():
         scale, bias = torch.rand(n, 1, generator=g) * 0.01, torch.randn(n, generator=g)
         layer = QuantLinear(values, scale, bias=bias, activations="int")
         reference = QuantLinear(values, scale, bias=bias, activations="int")
-        assert serve_packed_on_cpu(layer) == 1 and layer.cpu_kernel and not reference.cpu_kernel
+        assert use_cpu_kernels(layer) == 1 and layer.cpu_kernel and not reference.cpu_kernel
         calls = []
         original = int8.scaled_linear
-        int8.scaled_linear = lambda *a, **kw: calls.append(1) or original(*a, **kw)
-        try:
-            for m in (1, 37):
-                x = torch.randn(2, m, k, generator=g)
-                out, expected = layer(x), reference(x)
-                assert out.shape == expected.shape == (2, m, n) and out.dtype == x.dtype
-                assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4), (out - expected).abs().max()
-        finally:
-            int8.scaled_linear = original
+        monkeypatch.setattr(int8, "scaled_linear", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+        for m in (1, 37):
+            x = torch.randn(2, m, k, generator=g)
+            out, expected = layer(x), reference(x)
+            assert out.shape == expected.shape == (2, m, n) and out.dtype == x.dtype
+            assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4), (out - expected).abs().max()
+        monkeypatch.undo()
         assert len(calls) == 2
     values = torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8)
     grouped = QuantLinear(values, torch.rand(16, 2, generator=g), activations="int")
     asymmetric = QuantLinear(values, torch.rand(16, 1, generator=g), torch.ones(16, 1, dtype=torch.int8),
                              activations="int")
     weight_only = QuantLinear(values, torch.rand(16, 1, generator=g))
-    assert serve_packed_on_cpu(torch.nn.Sequential(grouped, asymmetric, weight_only)) == 0
+    assert use_cpu_kernels(torch.nn.Sequential(grouped, asymmetric, weight_only)) == 0
 
 
 def test_layers_the_kernel_cannot_take_stay_unpacked():

@@ -147,6 +147,11 @@ def test_gptq_in_expert_groups_writes_what_one_pass_writes(tmp_path, monkeypatch
     assert set(passes) == {None}
     passes.clear()
     options.expert_hessian_gb = 3 * per_expert / 2**30  # --expert-hessian-gb: three experts' Hessians a pass
+    from quantship.cli import build_parser
+
+    quantize_cli = build_parser()._subparsers._group_actions[0].choices["quantize"]
+    flag = next(a for a in quantize_cli._actions if "--expert-hessian-gb" in a.option_strings)
+    assert f"default {pipeline.EXPERT_HESSIAN_GB:g}:" in flag.help  # the help states the library's default
     quantize("tiny", tmp_path / "groups", options, progress=False)
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     assert passes.count(range(0, 3)) == passes.count(range(6, 8)) == moe_layers  # 8 experts: 3 + 3 + 2

@@ -191,7 +191,7 @@ def cmd_generate(args) -> int:
 
     from quantship.models.bundled import resolve_model
     from quantship.models.loader import Checkpoint
-    from quantship.models.quantized import serve_packed_on_cpu
+    from quantship.models.quantized import use_cpu_kernels
     from quantship.models.reference_loop import generate_tokens
     from quantship.models.tokenizer import eos_ids, load_tokenizer
 
@@ -219,7 +219,7 @@ def cmd_generate(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = ck.load_model(dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
     if device == "cpu":
-        serve_packed_on_cpu(model)  # as `serve` runs it: the same tokens
+        use_cpu_kernels(model)  # as `serve` runs it: the same tokens
     tokens = generate_tokens(
         model, list(prompt_ids), args.max_tokens, args.temperature, args.top_p, args.seed,
         stop_ids=eos_ids(tokenizer, ck.config.eos_token_id),

@@ -247,7 +247,7 @@ def load_engine(model: Path, device: str = "cpu", dtype: torch.dtype | None = No
     """Load a checkpoint (dense or compressed-tensors quantized, kept packed) and its tokenizer.
     phase(name): a context manager timing "load_weights" and "build_cache" (server/startup.py)."""
     from quantship.models.loader import Checkpoint
-    from quantship.models.quantized import serve_packed_on_cpu
+    from quantship.models.quantized import use_cpu_kernels
     from quantship.models.tokenizer import eos_ids, load_tokenizer
 
     phase = phase or (lambda name: contextlib.nullcontext())
@@ -258,6 +258,6 @@ def load_engine(model: Path, device: str = "cpu", dtype: torch.dtype | None = No
         checkpoint = Checkpoint(model)
         loaded = checkpoint.load_model(dtype, device)
         if device == "cpu":
-            serve_packed_on_cpu(loaded)
+            use_cpu_kernels(loaded)
     with phase("build_cache"):
         return LLMEngine(loaded, config, tokenizer, eos_ids(tokenizer, checkpoint.config.eos_token_id))

@@ -20,13 +20,17 @@ def supports(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
             and scale.dim() == 2 and scale.shape[1] == 1 and hasattr(torch, "_int_mm"))
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] → (int8 values [..., K], float32 steps [..., 1]): each row rounded symmetrically with its
+    own amax / 127. W8A8's dynamic per-token activations, here and in the reference path."""
+    step = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    return torch.round(x.float() / step).clamp(-128, 127).to(torch.int8), step
+
+
 def scaled_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (activations quantized here per token) times values [N, K] int8 with scale [N, 1] → [..., N]."""
-    rows = x.numel() // x.shape[-1]
-    x2 = x.reshape(rows, -1).float()
-    step = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
-    xq = torch.round(x2 / step).clamp(-128, 127).to(torch.int8)
+    xq, step = quantize_rows(x.reshape(-1, x.shape[-1]))
     y = torch._int_mm(xq, values.t()).float() * step * scale.float().t()
     if bias is not None:
         y = y + bias.float()

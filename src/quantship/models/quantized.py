@@ -24,18 +24,17 @@ from quantship.quantized_tensor import FP8_MAX, ActivationQuant, QuantizedTensor
 
 def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
     """Dynamic per-token quantize-dequantize: int8 symmetric or float8 e4m3."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8)
     if kind == "float":
-        scale = amax / FP8_MAX
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / FP8_MAX
         return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
-    scale = amax / 127.0
-    return (torch.round(x.float() / scale).clamp(-128, 127) * scale).to(x.dtype)
+    values, step = int8.quantize_rows(x)
+    return (values.float() * step).to(x.dtype)
 
 
 class QuantLinear(nn.Module):
     """A Linear whose weight is stored quantized. Buffers are named as in the checkpoint."""
 
-    cpu_kernel = False  # True (serve_packed_on_cpu): W8A8 on the CPU as one integer matmul (kernels/int8.py)
+    cpu_kernel = False  # True (use_cpu_kernels): W8A8 on the CPU as one integer matmul (kernels/int8.py)
 
     def __init__(self, values, scale, zero=None, g_idx=None, bias=None, activations: str | None = None):
         super().__init__()
@@ -53,7 +52,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_tensor_cores(x):
             return fp8.scaled_linear(x, self.weight_values, self.weight_scale, self.bias)
-        if self.cpu_kernel and self.int8_matmul() and x.device.type == "cpu":
+        if self.cpu_kernel and x.device.type == "cpu":  # set only where int8_matmul() holds
             return int8.scaled_linear(x, self.weight_values, self.weight_scale, self.bias)
         if self.activations:
             x = quantize_activations(x, self.activations)
@@ -91,7 +90,7 @@ class PackedLinear(nn.Module):
     """A Linear whose integer weight stays packed on the device (weight-only: activations untouched)."""
 
     use_kernel = True  # False: CUDA takes the dequantize + F.linear reference path too (for comparisons)
-    cpu_kernel = False  # True (serve_packed_on_cpu): on the CPU through PyTorch's int4/int8 kernels, bf16 inputs
+    cpu_kernel = False  # True (use_cpu_kernels): on the CPU through PyTorch's int4/int8 kernels, bf16 inputs
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                  group_size: int, bias: torch.Tensor | None = None):
@@ -142,7 +141,7 @@ class PackedLinear(nn.Module):
         """The weight also in the layout of PyTorch's own kernels: on a GPU int4 for tinygemm, which at batch
         sizes up to 8 measured as fast as or faster than our Triton tiles on an H200 (benchmarks/
         kernel_wna16.py); on the CPU int4 or per-channel int8 for its CPU kernels (used once
-        serve_packed_on_cpu asked for them). Costs a second copy of the packed bytes; `quantship info` and
+        use_cpu_kernels asked for them). Costs a second copy of the packed bytes; `quantship info` and
         the engine report both."""
         if self._decode is None:
             if self.weight_packed.device.type == "cpu":
@@ -183,7 +182,7 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int{self.bits} packed, group={self.group_size}"
 
 
-def serve_packed_on_cpu(model: nn.Module) -> int:
+def use_cpu_kernels(model: nn.Module) -> int:
     """For serving on the CPU: packed Linears multiply through PyTorch's CPU kernels (int4, and int8 per
     channel), with bf16 activations (what W4A16/W8A16 mean, and what the GPU kernels do), instead of
     dequantizing the whole weight on every call: about 100x faster per 6.7B-shaped layer at one row and
@@ -192,13 +191,15 @@ def serve_packed_on_cpu(model: nn.Module) -> int:
     The quantizer and the verifier keep the exact float32 path, which the transformers and ONNX
     references are checked against. Returns how many layers take a kernel (shapes the kernels cannot take
     stay exact)."""
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for layer in packed:
-        layer.cpu_kernel = True
-    w8a8 = [m for m in model.modules() if isinstance(m, QuantLinear) and m.int8_matmul()]
-    for layer in w8a8:
-        layer.cpu_kernel = True
-    return sum(1 for layer in packed if layer.decode_weights() is not None) + len(w8a8)
+    taken = 0
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.cpu_kernel = True
+            taken += layer.decode_weights() is not None
+        elif isinstance(layer, QuantLinear) and layer.int8_matmul():
+            layer.cpu_kernel = True
+            taken += 1
+    return taken
 
 
 def _packable(bits: int, group_size: int, in_features: int) -> bool:
