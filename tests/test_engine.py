@@ -301,3 +301,50 @@ def test_the_graph_inputs_give_the_eager_step_logits(reference_dirs, name):
         batch, positions = PagedBatch.for_decode(runner.kv, staged[:, 2:], staged[:, 1], 4, width * 4)
         graphed = model.lm_head(model.hidden_states(staged[:, 0][None], positions, batch)[0])
     torch.testing.assert_close(graphed[:3], eager, rtol=1e-9, atol=1e-9)
+
+
+CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+
+def test_out_of_memory_is_recognised_whichever_library_raises_it():
+    from quantship.engine.memory import out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB"))
+    assert out_of_memory(RuntimeError(CUBLAS_OOM))
+    assert not out_of_memory(RuntimeError("operation not permitted when stream is capturing"))
+    assert not out_of_memory(ValueError("ALLOC_FAILED"))
+
+
+class _FailingCapture:
+    def __init__(self, message: str):
+        self.message = message
+
+    def capture(self, max_seqs, max_key_len):
+        raise RuntimeError(self.message)
+
+
+def test_graph_capture_out_of_memory_is_raised_other_failures_serve_eagerly(tiny):
+    """cuBLAS running out of memory while graphs are captured is an out-of-memory (a server that went on
+    eagerly would fail at its first busy step); a step that cannot be captured serves without graphs."""
+    engine = LLMEngine(tiny[0], EngineConfig(num_blocks=64, max_num_seqs=4))
+    engine.runner.graphs = _FailingCapture(CUBLAS_OOM)
+    with pytest.raises(torch.OutOfMemoryError, match="CUBLAS_STATUS_ALLOC_FAILED"):
+        engine.runner.capture_graphs(4)
+    engine.runner.graphs = _FailingCapture("operation not permitted when stream is capturing")
+    assert engine.runner.capture_graphs(4) == 0 and engine.runner.graphs is None
+    assert run(engine, [[5, 6, 7]], 3) == {"0": list(generate_tokens(tiny[0], [5, 6, 7], 3))}  # it serves, eagerly
+
+
+def test_serve_that_runs_out_of_memory_at_start_up_says_what_to_lower(monkeypatch, capsys):
+    from quantship.cli import main
+    from quantship.engine.model_runner import ModelRunner
+
+    def out_of_memory(self, max_seqs=None, max_key_len=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.94 GiB.\nmore")
+
+    monkeypatch.setattr(ModelRunner, "capture_graphs", out_of_memory)
+    from test_server import free_port
+
+    assert main(["serve", "tiny", "--device", "cpu", "--port", str(free_port())]) != 0
+    err = capsys.readouterr().err
+    assert "ran out of memory" in err and "--kv-cache-fraction" in err and "Traceback" not in err

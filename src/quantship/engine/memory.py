@@ -35,6 +35,15 @@ class CacheTooSmall(ValueError):
     """The budget holds no KV block: the weights take (nearly) all the memory given."""
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether an error means the device ran out of memory: torch's own, or a library's that surfaces
+    as a plain RuntimeError (cuBLAS failing to create a handle or its workspace near the limit)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("ALLOC_FAILED" in text or "out of memory" in text)
+
+
 def allocator_setting() -> str:
     """How the CUDA caching allocator is set up, for the server's start-up log."""
     chosen = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -121,14 +130,13 @@ def _mlp_numbers_per_token(config: ModelConfig) -> int:
     return max(dense, moe)
 
 
-def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, queries: int, keys: int,
-                          tokens: int | None = None, cuda: bool = False) -> int:
-    """Peak transient memory of one engine step: `seqs` sequences, each padded to `queries` new tokens
-    (the longest chunk of the step), attending to `keys` keys; `tokens` real new tokens (default
-    seqs x queries). A model of models/paged.py and the attention/MLP code: the step's index tensors
-    and mask, the largest layer's temporaries, the hidden states, and the logits of every sequence."""
-    c, b = config, dtype.itemsize
-    tokens = seqs * queries if tokens is None else tokens
+def _part_bytes(config: ModelConfig, b: int, seqs: int, queries: int, keys: int, tokens: int,
+                cuda: bool) -> tuple[int, int, int]:
+    """(index, shared, own) bytes of one part of a step (models/paged.py PagedBatch): its index tensors
+    and mask, which live for the whole step; the attention temporaries that scale with its tokens and
+    exist for every part at once (MLA's queries are projected for all tokens before the parts run); and
+    those only its own attention call holds, freed before the next part runs."""
+    c = config
     padded = seqs * queries
     index = seqs * keys * (INT64 + BOOL * queries) + padded * (2 * INT64 + BOOL)  # key_slots, mask, query index
     bias = padded * keys * b  # the boolean mask as the attention kernel's additive bias
@@ -137,22 +145,43 @@ def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, qu
 
         latent = c.kv_lora_rank + c.qk_rope_head_dim
         heads = c.num_attention_heads
-        attention = tokens * heads * (c.qk_head_dim + latent) * b  # q, absorbed q
+        shared = tokens * heads * (c.qk_head_dim + latent) * b  # q, absorbed q
         if decode_kernel(c, cuda) and queries == 1:
-            attention += tokens * heads * c.kv_lora_rank * FLOAT32
-        else:  # the gathered latent, and SDPA's scores (heads chunked within SCORES_BUDGET)
-            chunk = min(heads, max(1, SCORES_BUDGET // max(1, padded * keys)))
-            # The math backend (CPU) holds the scores and their softmax; on CUDA the H200's peaks at 4K-32K
-            # (benchmarks/capacity_check.py) show one [chunk, Q, K] tensor in the compute dtype beside the mask.
-            scores = (chunk * padded * keys * b) if cuda else 2 * chunk * padded * keys * FLOAT32
-            attention += padded * heads * (latent + c.kv_lora_rank) * b + seqs * keys * latent * b + bias + scores
-    elif decode_kernel(c, cuda) and queries == 1:
-        attention = tokens * c.num_attention_heads * c.llama_head_dim * (b + FLOAT32)
-    else:
-        head, groups = c.llama_head_dim, c.num_attention_heads // c.num_key_value_heads
-        context = seqs * keys * 2 * c.num_key_value_heads * head * b
-        attention = (context * (2 if groups > 1 else 1)  # gathered K/V, and its per-head copy under GQA
-                     + 2 * padded * c.num_attention_heads * head * b + bias)
+            return index, shared, tokens * heads * c.kv_lora_rank * FLOAT32
+        # The gathered latent, and SDPA's scores (heads chunked within SCORES_BUDGET). The math backend
+        # (CPU) holds the scores and their softmax; on CUDA the H200's peaks at 4K-32K
+        # (benchmarks/capacity_check.py) show one [chunk, Q, K] tensor in the compute dtype beside the mask.
+        chunk = min(heads, max(1, SCORES_BUDGET // max(1, padded * keys)))
+        scores = (chunk * padded * keys * b) if cuda else 2 * chunk * padded * keys * FLOAT32
+        return index, shared, padded * heads * (latent + c.kv_lora_rank) * b + seqs * keys * latent * b + bias + scores
+    if decode_kernel(c, cuda) and queries == 1:
+        return index, tokens * c.num_attention_heads * c.llama_head_dim * b, \
+            tokens * c.num_attention_heads * c.llama_head_dim * FLOAT32
+    head, groups = c.llama_head_dim, c.num_attention_heads // c.num_key_value_heads
+    context = seqs * keys * 2 * c.num_key_value_heads * head * b
+    return index, 0, (context * (2 if groups > 1 else 1)  # gathered K/V, and its per-head copy under GQA
+                      + 2 * padded * c.num_attention_heads * head * b + bias)
+
+
+def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, queries: int, keys: int,
+                          tokens: int | None = None, cuda: bool = False) -> int:
+    """Peak transient memory of one engine step: `seqs` sequences, each padded to `queries` new tokens
+    (the longest chunk of the step), attending to `keys` keys; `tokens` real new tokens (default
+    seqs x queries). A model of models/paged.py and the attention/MLP code: the step's index tensors
+    and mask, the largest layer's temporaries, the hidden states, and the logits of every sequence."""
+    tokens = seqs * queries if tokens is None else tokens
+    return split_step_bytes(config, dtype, [(seqs, queries, keys, tokens)], cuda)
+
+
+def split_step_bytes(config: ModelConfig, dtype: torch.dtype, parts: list[tuple[int, int, int, int]],
+                     cuda: bool = False) -> int:
+    """Peak transient memory of a step made of parts (seqs, queries, keys, tokens), each padded alone
+    and attended one after the other (PagedBatch.each); the MLP, hidden states and logits cover them all."""
+    c, b = config, dtype.itemsize
+    sizes = [_part_bytes(c, b, *part, cuda) for part in parts]
+    tokens, seqs = sum(part[3] for part in parts), sum(part[0] for part in parts)
+    index = sum(i for i, _, _ in sizes)
+    attention = sum(s for _, s, _ in sizes) + max(own for _, _, own in sizes)
     mlp = tokens * _mlp_numbers_per_token(c) * b
     hidden = 4 * tokens * c.hidden_size * b
     logits = seqs * c.vocab_size * (b + 2 * FLOAT32)  # lm_head output, the float32 copy and softmax of sampling
@@ -162,16 +191,16 @@ def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, seqs: int, qu
 def peak_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
                           batch: int, context: int, cuda: bool) -> int:
     """The largest step the scheduler can form with `batch` running sequences of up to `context`
-    tokens: a whole prefill chunk, a decode of the batch, or both in one step, modelled with the decodes
-    padded to the chunk's length. The engine now runs a mixed step's decodes apart from its chunk
-    (models/paged.py), which holds less; the padded step is what the H200 out-of-memory points
-    (benchmarks/capacity_check.py) were measured with, so it stays the bound until they are measured
-    again with the split steps."""
+    tokens: a whole prefill chunk, a decode of the batch, or both in one step: the decodes of a mixed
+    step run apart from its chunk (models/paged.py builds them as parts), as the H200 out-of-memory
+    points of benchmarks/capacity_check.py were measured."""
     chunk = min(max_num_batched_tokens, context)
     decode = min(batch, max_num_batched_tokens)
-    mixed_chunk = max(1, max_num_batched_tokens - (decode - 1))
-    shapes = [(1, chunk, chunk), (decode, 1, decode), (decode, min(mixed_chunk, context), max_num_batched_tokens)]
-    return max(step_activation_bytes(config, dtype, s, q, context, t, cuda) for s, q, t in shapes)
+    mixed_chunk = min(max(1, max_num_batched_tokens - (decode - 1)), context)
+    mixed = [(decode - 1, 1, context, decode - 1), (1, mixed_chunk, context, mixed_chunk)]
+    return max(step_activation_bytes(config, dtype, 1, chunk, context, cuda=cuda),
+               step_activation_bytes(config, dtype, decode, 1, context, cuda=cuda),
+               split_step_bytes(config, dtype, [part for part in mixed if part[0]], cuda))
 
 
 def graph_pool_bytes(config: ModelConfig, dtype: torch.dtype, max_seqs: int, max_len: int, block_size: int) -> int:

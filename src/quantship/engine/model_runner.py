@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from quantship.engine import memory
 from quantship.engine.cuda_graphs import DecodeGraphs
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
@@ -52,9 +53,9 @@ class ModelRunner:
             return 0
         try:
             return self.graphs.capture(max_seqs, max_key_len)
-        except torch.OutOfMemoryError:
-            raise
         except RuntimeError as error:
+            if memory.out_of_memory(error):  # serving eagerly would run out at the first busy step instead
+                raise torch.OutOfMemoryError(str(error)) from error
             log.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(error).splitlines()[0])
             self.graphs = None
             return 0
@@ -66,6 +67,8 @@ class ModelRunner:
             try:
                 return [seq for seq, _ in scheduled], self.graphs.run(scheduled)
             except RuntimeError as error:  # a model whose step cannot be captured serves eagerly instead
+                if memory.out_of_memory(error):
+                    raise
                 log.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(error).splitlines()[0])
                 self.graphs = None
         starts = [seq.num_computed for seq, _ in scheduled]
