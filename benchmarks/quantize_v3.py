@@ -13,14 +13,15 @@ On the GPU machine (about 35 GB of disk with --layers 5 and the MTP layer):
         --out $OUT
 Here, to render the fetched JSON into BENCHMARKS.md:
     .venv/bin/python benchmarks/quantize_v3.py render benchmarks/results/quantize_v3*.json
-512 samples of 2048 tokens, 1 dense + 1 MoE layer (meant to fit a 10-minute device slot; its first try, on
-2026-12-01, ended without output and took the machine with it: most likely its 64 GB disk, which two 30 GB
-resume records of the activations filled before the old one was deleted. quantize now skips a record that
-the disk cannot hold. Keep the output in a file with `| tee $OUT/log`):
-    PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 2 --dense-layers 1 --no-mtp --methods gptq awq \
-        --samples 512 --suffix _512 --out $OUT
-(its first GPTQ run took 8 of its 10 minutes at 406 samples: give each method its own command, and
---expert-hessian-gb 60 gathers the 256 experts' Hessians in one calibration pass instead of 7)
+512 samples of 2048 tokens, one MoE layer alone, one method per command (a 10-minute device slot holds
+one; a first try with a dense layer and two methods ran out of it; keep the output in a file with
+`| tee $OUT/log`, not a pipe through a buffering filter). GPTQ with the Hessians of all 256 experts in one
+calibration pass (141 GB card; the default 8 GiB takes 7 passes), then AWQ and RTN:
+    PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 1 --dense-layers 0 --no-mtp --methods gptq \
+        --samples 512 --expert-hessian-gb 60 --suffix _512_onepass --out $OUT 2>&1 | tee $OUT/log
+    PYTHONPATH=src python3 benchmarks/quantize_v3.py run --layers 1 --dense-layers 0 --no-mtp --methods awq \
+        --samples 512 --suffix _512_awq --out $OUT 2>&1 | tee $OUT/log
+A run without a dense layer projects with the dense-layer time of the same method's run with one.
 The same script on a CPU, on a V3-structured model of a few MB (checks the script, measures nothing):
     .venv/bin/python benchmarks/quantize_v3.py run --shape v3-smoke --device cpu --samples 8 --seq-len 64 \
         --methods rtn gptq --out /tmp/v3-smoke
@@ -206,9 +207,24 @@ def run(args) -> None:
             (Path(args.out) / name).write_text(json.dumps(results, indent=2))
 
 
-def projection(r: dict, run_: dict) -> dict:
+def _samples(run_: dict) -> int:
+    return run_.get("samples_used") or run_["samples"]
+
+
+def _dense_donor(r: dict, run_: dict, pairs: list[tuple[dict, dict]]) -> tuple[dict, dict] | None:
+    """For a run of MoE layers alone: the same method's run with a dense layer and the nearest number of
+    calibration samples, whose dense-layer time stands in for this run's (a dense layer is the same work
+    whatever the expert settings)."""
+    if r["dense_layers"]:
+        return None
+    donors = [(d, dr) for d, dr in pairs if d["dense_layers"] and dr["method"] == run_["method"]]
+    return min(donors, key=lambda pair: abs(_samples(pair[1]) - _samples(run_)), default=None)
+
+
+def projection(r: dict, run_: dict, donor: tuple[dict, dict] | None = None) -> dict:
     """Minutes for all of V3 from this run's per-layer times: the median dense and MoE layer times the
-    full model's counts (61 layers, 3 dense; the MTP layer like a MoE layer)."""
+    full model's counts (61 layers, 3 dense; the MTP layer like a MoE layer). A run without a dense
+    layer takes the dense time of `donor` (a result and its run)."""
     import statistics
 
     config = r["config"]
@@ -217,7 +233,7 @@ def projection(r: dict, run_: dict) -> dict:
     moe = times[r["dense_layers"]:r["layers"]]
     full_dense = config["first_k_dense_replace"]
     full_moe = config["num_hidden_layers"] - full_dense + config.get("num_nextn_predict_layers", 0)
-    per_dense = statistics.median(dense) if dense else 0.0
+    per_dense = statistics.median(dense) if dense else (projection(*donor)["dense_s"] if donor else 0.0)
     per_moe = statistics.median(moe) if moe else 0.0
     return {"dense_s": per_dense, "moe_s": per_moe, "hours": (per_dense * full_dense + per_moe * full_moe) / 3600}
 
@@ -232,16 +248,19 @@ def render(paths: list[str]) -> None:
 
     results = [json.loads(Path(path).read_text()) for path in paths]
     rows, read_rates = [], []
+    pairs = [(r, run_) for r in results for run_ in r["runs"]]
     for path, r in zip(paths, results):
         write_result(Path(path).stem, r)
         for run_ in r["runs"]:
-            p = projection(r, run_)
+            donor = _dense_donor(r, run_, pairs)
+            p = projection(r, run_, donor)
             gpu = run_["peak_gpu_bytes"]
-            used = run_.get("samples_used") or run_["samples"]
+            used = _samples(run_)
             samples = str(used) if used == run_["samples"] else f"{used} ({run_['samples']} asked: the text ran out)"
             budget = run_.get("expert_hessian_gb")
             method = run_["method"].upper() + (f" (--expert-hessian-gb {budget:g})" if budget else "")
-            rows.append([method, samples, _layers_label(r), f"{p['dense_s'] / 60:.1f}",
+            dense = f"{p['dense_s'] / 60:.1f}" + (f" (the {_samples(donor[1])}-sample run's)" if donor else "")
+            rows.append([method, samples, _layers_label(r), dense,
                          f"{p['moe_s'] / 60:.1f}", f"{p['hours']:.1f}", "" if gpu is None else f"{gpu / 2**30:.1f}",
                          f"{run_['peak_host_bytes'] / 2**30:.1f}", str(run_["fallbacks"])])
         if r["runs"]:
