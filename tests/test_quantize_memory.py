@@ -225,3 +225,16 @@ def test_routed_experts_stay_as_stored_and_the_output_does_not_change(tmp_path, 
     assert held.keys() == float32.keys()
     for name in held:
         assert torch.equal(held[name], float32[name]), name
+
+
+def test_quantize_prints_where_the_activations_are_and_the_expert_groups(tmp_path, capsys):
+    """The `memory:` line names the memory the calibration activations sit in (here the CPU's: the model
+    runs there) and how many groups of routed-expert Hessians GPTQ solved under --expert-hessian-gb."""
+    from quantship.cli import main
+
+    assert main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--method", "gptq", "--samples", "4",
+                 "--seq-len", "64", "--expert-hessian-gb", "0.002", "--quiet"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory: "))
+    assert "activations in the CPU's memory, beside the model" in line
+    groups = int(line.split("routed experts solved in ")[1].split(" group")[0])
+    assert groups > 1

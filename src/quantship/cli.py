@@ -276,7 +276,9 @@ def cmd_quantize(args) -> int:
         print(f"calibration: {calib['samples']} x {calib['seq_len']} tokens from {calib['source']}")
     memory = recipe.get("memory") or {}
     if memory.get("activations") == "host" or memory.get("expert_groups", 1) > 1:
-        where = "host memory" if memory["activations"] == "host" else "the device"
+        on_gpu = str(recipe.get("device", "cpu")).startswith("cuda")
+        where = ("host memory" if memory["activations"] == "host" else
+                 "GPU memory, beside the model" if on_gpu else "the CPU's memory, beside the model")
         held = memory.get("routed_experts", "float32")
         held = f", held {held} and widened per use" if held != "float32" else ""
         print(f"memory: calibration activations in {where} ({memory['activation_bytes'] / 2**30:.1f} GiB a copy); "
