@@ -184,3 +184,37 @@ def test_progress_is_printed_as_lines_when_not_on_a_terminal():
         for _ in range(3):
             step()
     assert buffer.getvalue().splitlines() == ["compare: 0/3", "compare: 3/3"]
+
+
+@pytest.mark.parametrize("error", [
+    "CUDA out of memory. Tried to allocate 3.94 GiB. GPU 0 has a total capacity of 139.80 GiB",
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 12 bytes",
+])
+def test_running_out_of_memory_is_one_line_that_says_what_needs_less(tmp_path, monkeypatch, capsys, error):
+    """Out of memory on the GPU (torch's own error, or cuBLAS's RuntimeError) or on the host, in the
+    middle of a command: one line naming what to lower, no traceback, nothing written."""
+    import torch
+
+    from quantship.quant import pipeline
+
+    def quantize(*args, **kwargs):
+        raise (torch.OutOfMemoryError if error.startswith("CUDA out") else RuntimeError)(error + "\nmore")
+
+    monkeypatch.setattr(pipeline, "quantize", quantize)
+    assert main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quantship quantize: error: out of memory (")
+    assert error[:40] in err and "--resume" in err and "--samples" in err and "Traceback" not in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path, monkeypatch):
+    from quantship.quant import pipeline
+
+    def quantize(*args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(pipeline, "quantize", quantize)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # a bug stays a bug, with its traceback
+        main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"])

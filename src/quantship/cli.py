@@ -863,6 +863,24 @@ def _with_default_subcommand(argv: list[str]) -> list[str]:
     return argv
 
 
+# What needs less memory, by command, when the device runs out of it (the output is never half-written:
+# every command writes to a temporary path and renames).
+LESS_MEMORY = {
+    "quantize": "a run stopped here continues with --resume (same settings); fewer calibration tokens "
+                "(--samples, --seq-len) or a smaller --expert-hessian-gb need less",
+    "plan": "fewer calibration tokens (--samples, --seq-len) need less, or --device cpu",
+    "verify": "a shorter --ctx or fewer --max-tokens need less, or --device cpu",
+    "generate": "a shorter prompt or --max-tokens needs less, or --device cpu",
+    "serve": "lower --kv-cache-fraction or --max-num-seqs",
+}
+
+
+def _out_of_memory_message(command: str, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else type(exc).__name__
+    return (f"out of memory ({first}): "
+            + LESS_MEMORY.get(command, "free memory others hold on the device, or run this on a larger one"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _with_default_subcommand(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -875,6 +893,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except QuantshipError as exc:
         print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, MemoryError) as exc:
+        from quantship.engine.memory import out_of_memory
+
+        if not (isinstance(exc, MemoryError) or out_of_memory(exc)):
+            raise
+        print(f"quantship {args.command}: error: {_out_of_memory_message(args.command, exc)}", file=sys.stderr)
         return 2
     except Terminated:
         print("terminated", file=sys.stderr)

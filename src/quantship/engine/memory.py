@@ -36,12 +36,13 @@ class CacheTooSmall(ValueError):
 
 
 def out_of_memory(error: BaseException) -> bool:
-    """Whether an error means the device ran out of memory: torch's own, or a library's that surfaces
-    as a plain RuntimeError (cuBLAS failing to create a handle or its workspace near the limit)."""
+    """Whether an error means the device ran out of memory: torch's own, or one that surfaces as a plain
+    RuntimeError (cuBLAS failing to create a handle or its workspace near the limit; the CPU allocator)."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and ("ALLOC_FAILED" in text or "out of memory" in text)
+    return isinstance(error, RuntimeError) and any(
+        sign in text for sign in ("ALLOC_FAILED", "out of memory", "can't allocate memory"))  # last: the CPU's
 
 
 def allocator_setting() -> str:
