@@ -32,6 +32,33 @@ def test_info_json_for_tiny(capsys):
     assert info["moe"]["routed_experts"] == 8 and info["mla"]["kv_lora_rank"] == 128
     assert info["eval_text"].endswith("eval.txt") and info["calib_text"].endswith("calib.txt")
     assert info["quantization_config"] is None and info["size_bytes"] > 30e6
+    assert info["tokenizer"]["vocab"] == 8192 and info["tokenizer"]["chat_template"] is True
+
+
+def test_info_says_when_the_tokenizer_does_not_load_or_has_no_chat_template(tmp_path, capsys):
+    """info loads the tokenizer, so a broken one shows before serve: one line saying why, with the rest
+    of the description; generate refuses it in one line too."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(TINY_DIR, broken)
+    text = (broken / "tokenizer.json").read_text()
+    (broken / "tokenizer.json").write_text(text[:1000])  # truncated
+    assert main(["info", str(broken), "--json"]) == 0
+    error = json.loads(capsys.readouterr().out)["tokenizer"]["error"]
+    assert "cannot load the tokenizer" in error and "JSONDecodeError" in error and "\n" not in error
+    (broken / "tokenizer.json").unlink()  # tokenizer_config.json alone: transformers' many-line refusal
+    assert main(["generate", str(broken), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer.json" in err
+    (broken / "tokenizer.json").write_text(text)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (broken / name).unlink(missing_ok=True)
+    assert main(["info", str(broken)]) == 0
+    assert "no chat template" in " ".join(capsys.readouterr().out.split())
 
 
 def test_generate_greedy_is_deterministic_and_sampling_seeded(capsys):

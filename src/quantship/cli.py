@@ -137,6 +137,7 @@ def cmd_info(args) -> int:
     from quantship.formats.onnx import is_onnx_export
     from quantship.models.bundled import resolve_model
     from quantship.models.info import model_info
+    from quantship.models.tokenizer import tokenizer_summary
 
     if args.model is not None and is_gguf(args.model):  # a file llama.cpp serves: described from its metadata
         return _gguf_info(args.model, args.json)
@@ -145,6 +146,7 @@ def cmd_info(args) -> int:
     path = resolve_model(args.model)
     info = model_info(path)
     info["serving"] = _serving_memory(path)
+    info["tokenizer"] = tokenizer_summary(path)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -179,11 +181,19 @@ def cmd_info(args) -> int:
         ("served weights", f"{_human_bytes(info['serving']['weight_bytes'])} of GPU memory in bf16"
                            + (f" (+{_human_bytes(info['serving']['decode_copy_bytes'])} int4 decode copies)"
                               if info["serving"]["decode_copy_bytes"] else "")),
+        ("tokenizer", _describe_tokenizer(info["tokenizer"])),
     ]
     if "eval_text" in info:
         rows += [("eval_text", info["eval_text"]), ("calib_text", info["calib_text"])]
     _print_rows(rows)
     return 0
+
+
+def _describe_tokenizer(t: dict) -> str:
+    if "error" in t:
+        return f"does not load: {t['error']}"
+    return (f"{t['vocab']:,} tokens, eos {t['eos_token']!r}, "
+            + ("chat template" if t["chat_template"] else "no chat template (/v1/chat/completions answers 400)"))
 
 
 def cmd_generate(args) -> int:

@@ -17,7 +17,22 @@ def load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types here; the user needs one line, not a trace
-        raise QuantshipError(f"cannot load the tokenizer ({type(exc).__name__}: {exc})", path) from None
+        why = " ".join(str(exc).split())  # some of its messages are numbered lists over several lines
+        why = why if len(why) <= 300 else why[:297] + "..."
+        missing = "" if (path / "tokenizer.json").is_file() else "no tokenizer.json; "
+        raise QuantshipError(f"cannot load the tokenizer ({missing}{type(exc).__name__}: {why})", path) from None
+
+
+def tokenizer_summary(path: Path) -> dict:
+    """What `info` says of a model's tokenizer: its size, whether it has a chat template (the chat API
+    and `generate --chat` need one), its end-of-sequence token; or why it does not load, so a broken
+    tokenizer shows before `serve` does."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except QuantshipError as exc:
+        return {"error": str(exc)}
+    return {"class": type(tokenizer).__name__, "vocab": len(tokenizer),
+            "chat_template": bool(getattr(tokenizer, "chat_template", None)), "eos_token": tokenizer.eos_token}
 
 
 def eos_ids(tokenizer, config_eos) -> set[int]:
