@@ -218,3 +218,25 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path, monkeypa
     monkeypatch.setattr(pipeline, "quantize", quantize)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # a bug stays a bug, with its traceback
         main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"])
+
+
+def _commands_with_device() -> list[str]:
+    from quantship.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sorted(name for name, p in sub.choices.items()
+                  if any("--device" in a.option_strings and "cuda" in (a.choices or ()) for a in p._actions))
+
+
+REQUIRED = {"verify": ["tiny", "tiny", "--report", "{tmp}/r"], "plan": ["tiny", "--budget-bits", "5", "-o", "{tmp}/plan.json"],
+            "quantize": ["tiny", "-o", "{tmp}/q"], "generate": ["--prompt", "x"], "serve": []}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("command", _commands_with_device())
+def test_device_cuda_without_a_gpu_is_one_line_before_anything_loads(command, tmp_path, capsys):
+    args = [a.format(tmp=tmp_path) for a in REQUIRED[command]]  # a new command with --device must be listed
+    assert main([command, *args, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device is available" in err and "--device cpu" in err
+    assert list(tmp_path.iterdir()) == []

@@ -891,6 +891,19 @@ def _out_of_memory_message(command: str, exc: BaseException) -> str:
             + LESS_MEMORY.get(command, "free memory others hold on the device, or run this on a larger one"))
 
 
+def _check_device(device: str | None) -> None:
+    """Every command's --device cuda fails here, in one line, where this machine has no CUDA device
+    (rather than in the middle of loading the model, with torch's assertion)."""
+    if not (isinstance(device, str) and device.startswith("cuda")):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "this PyTorch is a CPU build" if torch.version.cuda is None else "the driver finds no GPU"
+        raise QuantshipError(f"--device {device} asked for, but no CUDA device is available ({build}); "
+                             "use --device cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _with_default_subcommand(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -900,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
+        _check_device(getattr(args, "device", None))
         return args.func(args)
     except QuantshipError as exc:
         print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
