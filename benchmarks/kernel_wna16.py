@@ -7,7 +7,8 @@ Then here: .venv/bin/python benchmarks/kernel_wna16.py render
 Each variant is timed as CUDA-graph replays of calls that rotate over enough weight copies to leave
 the L2 cache (60 MB) cold, so launch overhead and cache hits stay out; the median of several replays
 is kept. GB/s counts the bytes a call must read: packed weight + scales (+ zero points) + x + y.
---sweep also times candidate tile shapes per M class and prints the table kernels/wna16.py keeps.
+--sweep also times candidate tile shapes per M class on the four Linear calls of one decoder layer
+(SWEEP_SHAPES) and prints the best by their sum, for the table kernels/wna16.py keeps (a few minutes more).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import RESULTS, table, update_section  # noqa: E402
 
 SHAPES = {"q/o_proj 4096x4096": (4096, 4096), "gate/up 11008x4096": (11008, 4096),
-          "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096)}  # (out N, in K)
+          "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096),
+          "gate+up 22016x4096": (22016, 4096)}  # (out N, in K); the engine merges q/k/v and gate/up
 MS = [1, 4, 16, 32, 64, 256, 2048]
-SWEEP_SHAPES = ("q/o_proj 4096x4096", "down 4096x11008")  # one of each K: enough to rank tile shapes
+# The four calls one 6.7B decoder layer makes in the engine: a candidate's summed time is the layer's
+# Linear time, so the sweep ranks tiles by what a decode step spends, across N from 4096 to 22016 (the
+# split of K that fills the GPU at N = 4096 adds atomics and a float32 output where N alone would).
+SWEEP_SHAPES = ("fused qkv 12288x4096", "q/o_proj 4096x4096", "gate+up 22016x4096", "down 4096x11008")
+EARLY_SWEEP_SHAPES = ("q/o_proj 4096x4096", "down 4096x11008")  # what runs before "sweep_shapes" swept
 SWEEP_MS = (1, 4, 16, 32, 64, 256)
 GROUP = 128
 
@@ -114,7 +120,8 @@ def candidates(m: int):
     if m == 1:
         return out
     rows = [16] if m <= 16 else [32, 64] if m <= 64 else [128, 256]
-    splits = (4, 8) if m <= 16 else (2, 4) if m <= 64 else (1, 2)
+    # 0: as many splits as fill the GPU for this N (wna16._splits), 1: none (no atomics, no float32 output)
+    splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4) if m <= 64 else (1, 2)
     out += [Blocks("swap_dot", bm, bn, bk, split, 4, stages) for bm in rows for bn in (64, 128) for bk in (128, 256)
             for split in splits for stages in (2, 4)]
     if m >= 32:
@@ -186,25 +193,29 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tup
 def run(out: Path, sweep: bool) -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
-    rows, errors, sweeps = [], {}, {}
+    rows, errors, sweeps, shape_sweeps = [], {}, {}, []
     for label, (n, k) in SHAPES.items():
         shape_rows, extra = time_shape(label, n, k, bandwidth, sweep)
         rows += shape_rows
         errors[label] = extra["errors"]
+        if label in SWEEP_SHAPES and sweep:  # a candidate ranks only if it ran on every swept shape
+            shape_sweeps.append(extra["sweep"])
         for m, times in extra["sweep"].items():
             for blocks, t in times.items():
                 sweeps.setdefault(m, {}).setdefault(blocks, 0.0)
                 sweeps[m][blocks] += t
     best = {}
     for m, times in sweeps.items():
-        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        everywhere = {b for b in times if all(b in per_shape.get(m, {}) for per_shape in shape_sweeps)}
+        ranked = sorted(((b, t) for b, t in times.items() if b in everywhere), key=lambda kv: kv[1])
         best[m] = [(repr(b), t) for b, t in ranked[:3]]
         print(f"M={m}: best tiles (summed over shapes): {best[m]}")
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
-              "errors": errors, "rows": rows, "best_tiles": best, "torch": torch.__version__}
+              "errors": errors, "rows": rows, "best_tiles": best, "sweep_shapes": list(SWEEP_SHAPES),
+              "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_wna16.json").write_text(json.dumps(result, indent=2) + "\n")
     for label, e in errors.items():
@@ -216,15 +227,16 @@ def _sweep_text(r: dict) -> str:
     if not r.get("best_tiles"):
         return "No tile sweep in this run (`run --sweep` adds one)."
     parts = []
+    swept = r.get("sweep_shapes", EARLY_SWEEP_SHAPES)
     for m, ranked in r["best_tiles"].items():
-        rows = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in SWEEP_SHAPES]
+        rows = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in swept]
         fixed = sum(row["w4a16_s"] for row in rows)
         tiny = sum(row.get("tinygemm_s", float("nan")) for row in rows)
         best, t = ranked[0]
         parts.append(f"M = {m}: {best} {t * 1e6:.1f} µs, the table's choice {fixed * 1e6:.1f} µs, "
                      f"tinygemm {tiny * 1e6:.1f} µs")
     return ("W4A16 tile sweep of this run (`run --sweep`, every candidate checked against the reference first; "
-            f"times summed over {' and '.join(SWEEP_SHAPES)}): " + "; ".join(parts) + ".")
+            f"times summed over {', '.join(swept)}): " + "; ".join(parts) + ".")
 
 
 def _table_text(table) -> str:

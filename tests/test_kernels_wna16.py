@@ -78,6 +78,7 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
                                     wna16.Blocks("swap_dot", 16, 32, 256, 3, 4, 1),  # two x blocks, spans groups
                                     wna16.Blocks("swap_dot", 16, 16, 64, -1, 4, 1),  # raised to 128: spans
                                     wna16.Blocks("swap_dot", 32, 64, 128, 1, 4, 1),  # one split, rows masked
+                                    wna16.Blocks("swap_dot", 16, 16, 128, 0, 4, 1),  # splits to fill the GPU
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
