@@ -240,3 +240,43 @@ def test_device_cuda_without_a_gpu_is_one_line_before_anything_loads(command, tm
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA device is available" in err and "--device cpu" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_and_quantize_keeps_its_layers_for_resume(tmp_path, monkeypatch, capsys):
+    """ENOSPC in the middle of writing: one line (no traceback), and quantize's finished layers stay in
+    its hidden partial directory for --resume, which then writes the whole checkpoint."""
+    import errno
+
+    from quantship.formats import compressed_tensors
+
+    real_save = compressed_tensors.save_file
+    calls = []
+
+    def save_file(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(compressed_tensors, "save_file", save_file)
+    out = tmp_path / "q"
+    assert main(["quantize", "tiny", "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("quantship quantize: error: no space left on device") and "--resume" in last
+    assert "Traceback" not in err and not out.exists()
+    assert main(["quantize", "tiny", "-o", str(out), "--quiet", "--resume"]) == 0
+    assert (out / "config.json").is_file()
+
+
+def test_other_os_errors_are_not_taken_for_a_full_disk(tmp_path, monkeypatch):
+    import errno
+
+    from quantship.formats import compressed_tensors
+
+    def save_file(*args, **kwargs):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(compressed_tensors, "save_file", save_file)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -885,6 +886,11 @@ LESS_MEMORY = {
 }
 
 
+# Errors of a disk that takes no more (full, over quota, a file too large, mounted read-only): the user's
+# to fix, so one line; every other OSError is a bug with its traceback.
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
 def _out_of_memory_message(command: str, exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else type(exc).__name__
     return (f"out of memory ({first}): "
@@ -917,6 +923,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except QuantshipError as exc:
         print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(f"quantship {args.command}: error: {os.strerror(exc.errno).lower()}{where}: free space and run it "
+              "again" + ("; --resume continues from the layers already written" if args.command == "quantize"
+                         else ""), file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:
         from quantship.engine.memory import out_of_memory
