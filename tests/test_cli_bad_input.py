@@ -76,6 +76,10 @@ CASES = [
     ("verify tiny tiny --report {tmp}/r --gate {tmp}/missing.yaml", "cannot read the gates file"),
     ("verify tiny tiny --report {tmp}/r --gate {tmp}/unknown-metric.yaml", "unknown metric 'perplexity'"),
     ("verify tiny tiny --report {tmp}/r --text {tmp}/missing.txt", "evaluation text not found"),
+    # a directory where a file belongs
+    ("verify tiny tiny --report {tmp}/r --text {tmp}", "evaluation text is a directory, not a file"),
+    ("quantize -o {tmp}/q --method gptq --calib {tmp}", "calibration file is a directory, not a file"),
+    ("quantize -o {tmp}/q --plan {tmp}", "cannot read the plan file (Is a directory)"),
     ("verify tiny tiny --report {tmp}/r --ctx 512 --max-tokens 64", "less than one window of --ctx 512"),
     ("verify tiny tiny --report {tmp}/r --ctx 4096", "--ctx must be in 2..2048"),
     # checkpoints that only a load would have refused
@@ -279,4 +283,26 @@ def test_other_os_errors_are_not_taken_for_a_full_disk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(compressed_tensors, "save_file", save_file)
     with pytest.raises(OSError, match="Bad file descriptor"):
+        main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"])
+
+
+def test_an_unchecked_path_error_is_one_line_naming_the_path(tmp_path, monkeypatch, capsys):
+    """The net under readers that do not check their path: a missing file, a directory where a file
+    belongs or no permission is one line naming the path; a bug's OSError without a path still raises."""
+    import errno
+
+    from quantship.quant import pipeline
+
+    def quantize(*args, **kwargs):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path))
+
+    monkeypatch.setattr(pipeline, "quantize", quantize)
+    assert main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"quantship quantize: error: {tmp_path}: is a directory\n"
+
+    def no_path(*args, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(pipeline, "quantize", no_path)
+    with pytest.raises(FileNotFoundError):
         main(["quantize", "tiny", "-o", str(tmp_path / "q"), "--quiet"])

@@ -889,6 +889,9 @@ LESS_MEMORY = {
 # Errors of a disk that takes no more (full, over quota, a file too large, mounted read-only): the user's
 # to fix, so one line; every other OSError is a bug with its traceback.
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+# A path that is missing, a directory where a file belongs, or not readable: the readers of user files
+# say so in their own words; this is the net under the ones that do not, one line naming the path.
+USER_PATH = {errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG}
 
 
 def _out_of_memory_message(command: str, exc: BaseException) -> str:
@@ -925,6 +928,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
+        if exc.errno in USER_PATH and exc.filename:  # a path the user gave that a reader did not check
+            print(f"quantship {args.command}: error: {exc.filename}: {os.strerror(exc.errno).lower()}",
+                  file=sys.stderr)
+            return 2
         if exc.errno not in DISK_FULL:
             raise
         where = f" writing {exc.filename}" if exc.filename else ""

@@ -99,12 +99,16 @@ def read_text_file(path: Path, what: str) -> str:
     from quantship.errors import QuantshipError
 
     path = Path(path)
+    if path.is_dir():
+        raise QuantshipError(f"{what} is a directory, not a file", path)
     if not path.is_file():
         raise QuantshipError(f"{what} not found", path)
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise QuantshipError(f"{what} is not UTF-8 text", path) from None
+    except OSError as exc:  # no permission, a vanished file
+        raise QuantshipError(f"cannot read the {what} ({exc.strerror})", path) from None
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(raw.splitlines(), 1):

@@ -74,6 +74,8 @@ def read_plan(path: Path) -> dict[str, str]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QuantshipError("plan file not found", path) from None
+    except OSError as exc:  # a directory, no permission
+        raise QuantshipError(f"cannot read the plan file ({exc.strerror})", path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise QuantshipError(f"malformed plan JSON ({exc})", path) from None
     modules = data.get("modules") if isinstance(data, dict) else None
