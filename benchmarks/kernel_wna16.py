@@ -236,7 +236,7 @@ def _sweep_text(r: dict) -> str:
         parts.append(f"M = {m}: {best} {t * 1e6:.1f} µs, the table's choice {fixed * 1e6:.1f} µs, "
                      f"tinygemm {tiny * 1e6:.1f} µs")
     return ("W4A16 tile sweep of this run (`run --sweep`, every candidate checked against the reference first; "
-            f"times summed over {', '.join(swept)}): " + "; ".join(parts) + ".")
+            f"times summed over {', '.join(swept[:-1])} and {swept[-1]}): " + "; ".join(parts) + ".")
 
 
 def _table_text(table) -> str:
