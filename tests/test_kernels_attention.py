@@ -125,6 +125,38 @@ def test_mla_prefill_in_head_chunks_equals_one_call(monkeypatch):
     torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
 
 
+def test_mla_heads_folded_into_the_queries_equal_sdpa_over_keys_expanded_per_head(monkeypatch):
+    """On the CPU MLA's latent attention folds the heads into the query axis (the keys every head shares
+    are multiplied once); on CUDA it runs SDPA over the keys expanded per head. Same logits, for a padded
+    step of decodes and a prompt chunk and for heads in chunks under the scores budget."""
+    from quantship.models import deepseek, paged
+    from quantship.models.bundled import TINY_DIR
+    from quantship.models.loader import load_model
+
+    def expanded(self, q, context, value_width, scale):  # the CUDA path, run here
+        heads = q.shape[1]
+        return self.attention(q, context[:, None].expand(-1, heads, -1, -1),
+                              context[:, None, :, :value_width].expand(-1, heads, -1, -1), scale)
+
+    model = load_model(TINY_DIR, torch.float64)
+    block, before, counts = 16, [5, 20, 10], [1, 9, 1]
+    kv = [torch.zeros(12 * block, paged.cache_width(model.config), dtype=torch.float64) for _ in model.model.layers]
+    tables = [[0, 1], [2, 3], [4, 5]]
+    ids = torch.randint(3, 1000, (sum(before) + sum(counts),), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        batch, positions = paged.PagedBatch.build(kv, tables, [0] * 3, before, block, torch.device("cpu"))
+        model.hidden_states(ids[None, :sum(before)], positions, batch)
+        for budget in (deepseek.SCORES_BUDGET, 3 * 9 * 30 * 3):  # all heads at once; 3 at a time
+            monkeypatch.setattr(deepseek, "SCORES_BUDGET", budget)
+            out = []
+            for attend in (paged.PagedBatch.shared_attention, expanded):
+                monkeypatch.setattr(paged.PagedBatch, "shared_attention", attend)
+                step, positions = paged.PagedBatch.build(kv, tables, before, counts, block, torch.device("cpu"),
+                                                         split=False)  # decodes padded to the chunk
+                out.append(model(ids[None, sum(before):], positions, step))
+            torch.testing.assert_close(out[0], out[1], atol=1e-10, rtol=1e-10)
+
+
 def _mixed_step_split_and_padded(model, monkeypatch, kernel: bool) -> list[torch.Tensor]:
     """Logits of one step where three sequences decode and one prefills a 12-token chunk, built as
     parts (decodes apart from the chunk) and padded together as one batch."""

@@ -108,14 +108,18 @@ class MLAttention(nn.Module, SharedInput):
         [S, H, Q, K] whole: heads go in chunks that keep them within SCORES_BUDGET elements (a 512-token
         chunk of a 32K prompt with 128 heads would otherwise need 8 GB of float32 scores per layer)."""
         q = batch.pad(q).transpose(1, 2)  # [S, H, Q, rank + rope]
-        context = batch.context(index).to(q.dtype)[:, None]  # [S, 1, K, rank + rope]: one "head" shared by all
+        context = batch.context(index).to(q.dtype)  # [S, K, rank + rope]: one "head" shared by all
         s, _, queries, _ = q.shape
-        step = max(1, SCORES_BUDGET // (s * queries * context.shape[2]))
+        step = max(1, SCORES_BUDGET // (s * queries * context.shape[1]))
         parts = []
         for h in range(0, self.heads, step):
             heads = min(step, self.heads - h)
-            keys = context.expand(-1, heads, -1, -1)
-            values = context[..., : self.kv_lora_rank].expand(-1, heads, -1, -1)
+            if q.device.type == "cpu":  # heads folded into the queries: no per-head copy of the keys
+                parts.append(batch.shared_attention(q[:, h:h + heads], context, self.kv_lora_rank, self.scale))
+                continue
+            # On CUDA, SDPA: the H200 out-of-memory points the capacity planner is fitted to ran this path.
+            keys = context[:, None].expand(-1, heads, -1, -1)
+            values = context[:, None, :, : self.kv_lora_rank].expand(-1, heads, -1, -1)
             parts.append(batch.attention(q[:, h:h + heads], keys, values, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return batch.unpad(out.transpose(1, 2))
