@@ -220,7 +220,7 @@ def render(path: Path) -> None:
         + "\n\nThe engine on the bundled model, RTN checkpoints against their float32 original, greedy decode "
         f"tokens/s ({PROMPT}-token prompts, {NEW} new; ratio against the float32 original at the same batch):\n\n"
         + table(["batch", "model", "decode tok/s", "vs float32"], rows)
-        + ("\n\nW8A8 on the bundled model is level with its exact path: its Linears are at most 384 x 1152 "
+        + ("\n\nW8A8 on the bundled model gains little over its exact path: its Linears are at most 384 x 1152 "
            "(most are routed experts far smaller), where each call is a dozen element-wise ops either way and the "
            "dequantization the integer matmul saves is small; the layer table above, at 6.7B shapes, is where it "
            "pays. W8A8 agrees less with its own exact path than the weight-only schemes do: an activation that "

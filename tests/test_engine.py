@@ -347,4 +347,5 @@ def test_serve_that_runs_out_of_memory_at_start_up_says_what_to_lower(monkeypatc
 
     assert main(["serve", "tiny", "--device", "cpu", "--port", str(free_port())]) != 0
     err = capsys.readouterr().err
-    assert "ran out of memory" in err and "--kv-cache-fraction" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "error: out of memory (CUDA out of memory. Tried to allocate 3.94 GiB.)" in err
+    assert "--kv-cache-fraction" in err and "--max-num-seqs" in err

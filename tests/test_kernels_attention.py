@@ -133,10 +133,10 @@ def test_mla_heads_folded_into_the_queries_equal_sdpa_over_keys_expanded_per_hea
     from quantship.models.bundled import TINY_DIR
     from quantship.models.loader import load_model
 
+    folded = paged.PagedBatch.shared_attention
+
     def expanded(self, q, context, value_width, scale):  # the CUDA path, run here
-        heads = q.shape[1]
-        return self.attention(q, context[:, None].expand(-1, heads, -1, -1),
-                              context[:, None, :, :value_width].expand(-1, heads, -1, -1), scale)
+        return folded(self, q, context, value_width, scale, fold=False)
 
     model = load_model(TINY_DIR, torch.float64)
     block, before, counts = 16, [5, 20, 10], [1, 9, 1]
@@ -149,7 +149,7 @@ def test_mla_heads_folded_into_the_queries_equal_sdpa_over_keys_expanded_per_hea
         for budget in (deepseek.SCORES_BUDGET, 3 * 9 * 30 * 3):  # all heads at once; 3 at a time
             monkeypatch.setattr(deepseek, "SCORES_BUDGET", budget)
             out = []
-            for attend in (paged.PagedBatch.shared_attention, expanded):
+            for attend in (folded, expanded):
                 monkeypatch.setattr(paged.PagedBatch, "shared_attention", attend)
                 step, positions = paged.PagedBatch.build(kv, tables, before, counts, block, torch.device("cpu"),
                                                          split=False)  # decodes padded to the chunk

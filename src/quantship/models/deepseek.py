@@ -114,13 +114,7 @@ class MLAttention(nn.Module, SharedInput):
         parts = []
         for h in range(0, self.heads, step):
             heads = min(step, self.heads - h)
-            if q.device.type == "cpu":  # heads folded into the queries: no per-head copy of the keys
-                parts.append(batch.shared_attention(q[:, h:h + heads], context, self.kv_lora_rank, self.scale))
-                continue
-            # On CUDA, SDPA: the H200 out-of-memory points the capacity planner is fitted to ran this path.
-            keys = context[:, None].expand(-1, heads, -1, -1)
-            values = context[:, None, :, : self.kv_lora_rank].expand(-1, heads, -1, -1)
-            parts.append(batch.attention(q[:, h:h + heads], keys, values, self.scale))
+            parts.append(batch.shared_attention(q[:, h:h + heads], context, self.kv_lora_rank, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return batch.unpad(out.transpose(1, 2))
 

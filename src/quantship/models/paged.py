@@ -117,12 +117,18 @@ class PagedBatch:
         with sdpa_kernel(ATTENTION_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
 
-    def shared_attention(self, q: torch.Tensor, context: torch.Tensor, value_width: int, scale: float) -> torch.Tensor:
+    def shared_attention(self, q: torch.Tensor, context: torch.Tensor, value_width: int, scale: float,
+                         fold: bool | None = None) -> torch.Tensor:
         """q [S, H, Q, D] over keys [S, K, D] every head shares (MLA's latent), values their first
-        `value_width` columns → [S, H, Q, value_width]. The heads fold into the query axis, so the keys
-        are multiplied as they are: SDPA's math backend, given the keys expanded per head, scales a
-        copy of them for every head (a tenth of a CPU decode step of the bundled model at batch 32)."""
+        `value_width` columns → [S, H, Q, value_width]. On the CPU (fold) the heads fold into the query
+        axis, so the keys are multiplied as they are: SDPA's math backend, given the keys expanded per
+        head, scales a copy of them for every head (a tenth of a CPU decode step of the bundled model at
+        batch 32). On CUDA SDPA over the expanded keys: the H200 out-of-memory points the capacity
+        planner is fitted to ran that path."""
         s, heads, queries, dim = q.shape
+        if not (q.device.type == "cpu" if fold is None else fold):
+            keys = context[:, None].expand(-1, heads, -1, -1)
+            return self.attention(q, keys, keys[..., :value_width], scale)
         keys = context.shape[1]
         scores = torch.bmm(q.reshape(s, heads * queries, dim), context.transpose(1, 2)).mul_(scale)
         scores = scores.view(s, heads, queries, keys).masked_fill_(~self.mask, float("-inf"))

@@ -186,7 +186,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
     """For serving on the CPU: packed Linears multiply through PyTorch's CPU kernels (int4, and int8 per
     channel), with bf16 activations (what W4A16/W8A16 mean, and what the GPU kernels do), instead of
     dequantizing the whole weight on every call: about 100x faster per 6.7B-shaped layer at one row and
-    2-4x faster than the float32 layer itself; the bundled model decodes 1.6-2x faster, level with its
+    2-4x faster than the float32 layer itself; the bundled model decodes 1.6-2.4x faster, 0.8-1.4x its
     float32 original (benchmarks/cpu_packed.py). W8A8 Linears multiply int8 by int8 (kernels/int8.py).
     The quantizer and the verifier keep the exact float32 path, which the transformers and ONNX
     references are checked against. Returns how many layers take a kernel (shapes the kernels cannot take

@@ -170,15 +170,11 @@ def _build(path: Path, name: str, opts: ServeOptions, clock):
         engine = load_engine(path, device, config=config, phase=clock.phase)
     except CacheTooSmall as exc:
         raise QuantshipError(f"no room for a KV cache on {device}: {exc}") from None
-    try:
-        with clock.phase("capture_cuda_graphs"):
-            graphs = engine.runner.capture_graphs(config.max_num_seqs)
-        with clock.phase("warmup"):
-            engine.warm_up()
-    except torch.OutOfMemoryError as exc:
-        raise QuantshipError(f"{device} ran out of memory after the KV cache took its share "
-                             f"({str(exc).splitlines()[0][:200]}): lower --kv-cache-fraction (now "
-                             f"{config.kv_cache_fraction}) or --max-num-seqs") from None
+    # Running out of memory here (graphs, warm-up) is raised: the CLI says what to lower (cli.LESS_MEMORY).
+    with clock.phase("capture_cuda_graphs"):
+        graphs = engine.runner.capture_graphs(config.max_num_seqs)
+    with clock.phase("warmup"):
+        engine.warm_up()
     memory = weight_memory(engine.model)
     log.info("weights: %.1f MiB on %s%s", memory["weight_bytes"] / 2**20, device,
              f", of which {memory['packed_linears']} packed int Linears {memory['packed_linear_bytes'] / 2**20:.1f} MiB"
