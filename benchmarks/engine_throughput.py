@@ -376,10 +376,10 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth) -> d
             "ttft": ttft, "agreement": agreement}
 
 
-def step_anatomy(model, config, batch: int, steps: int = 32) -> dict:
+def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = False) -> dict:
     """Where a decode step's time goes: the whole engine step (schedule, stage inputs, graph replay,
     sample, bookkeeping) against replaying its CUDA graph alone. The difference is host time the GPU
-    waits through."""
+    waits through. `profile` prints the kernels of 8 replays by GPU time."""
     from quantship.engine.sampling_params import SamplingParams
 
     engine = ready_engine(model, config)
@@ -403,13 +403,24 @@ def step_anatomy(model, config, batch: int, steps: int = 32) -> dict:
             graph.replay()
         torch.cuda.synchronize()
         replay_s = (time.perf_counter() - start) / steps
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as profiler
+
+            with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(8):
+                    graph.replay()
+                torch.cuda.synchronize()
+            print(f"batch {batch}: kernels of 8 graph replays", flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70),
+                  flush=True)
     for i in range(batch):
         engine.abort(f"a{i}")
     engine.step()
     return {"batch": batch, "step_ms": step_s * 1e3, "replay_ms": None if replay_s is None else replay_s * 1e3}
 
 
-def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16)) -> None:
+def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
+          profile: bool = False, tag: str = "") -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs."""
     torch.manual_seed(0)
@@ -430,14 +441,14 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             runs = [(time_engine(w4, prompts, 64, config), time_engine(ours, prompts, 64, config)) for _ in range(2)]
             t_w4, t_bf16 = (statistics.median(r[i] for r in runs) for i in (0, 1))
             rows.append({"batch": batch, "w4a16_tok_s": batch * 64 / t_w4, "bf16_tok_s": batch * 64 / t_bf16,
-                         "anatomy_w4a16": step_anatomy(w4, config, batch),
+                         "anatomy_w4a16": step_anatomy(w4, config, batch, profile=profile),
                          "anatomy_bf16": step_anatomy(ours, config, batch)})
             print(rows[-1], flush=True)
         ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, None, 2048, config)}
         print(ttft, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if shape == "coder-6.7b" else f"_{shape}"
-    (out / f"engine_quick_gpu{suffix}.json").write_text(json.dumps(rows + [{"ttft": ttft}], indent=2) + "\n")
+    (out / f"engine_quick_gpu{suffix}{tag}.json").write_text(json.dumps(rows + [{"ttft": ttft}], indent=2) + "\n")
 
 
 def kv_table() -> str:
@@ -608,13 +619,15 @@ def main() -> None:
     q.add_argument("--shape", default="coder-6.7b")
     q.add_argument("--layers", type=int)
     q.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    q.add_argument("--profile", action="store_true", help="print the W4A16 graph's kernels by GPU time per batch")
+    q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.cmd == "agreement":
         agreement_on_bundled(args.out)
     elif args.cmd == "quick":
-        quick(args.out, args.shape, args.layers, tuple(args.batches))
+        quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers)
         if args.out == RESULTS:

@@ -3,6 +3,8 @@
 On the GPU machine (checks every shape against the float32 reference first, then times):
     PYTHONPATH=src python3 benchmarks/kernel_wna16.py run --out $OUT [--sweep]
 Then here: .venv/bin/python benchmarks/kernel_wna16.py render
+`adopt RESULT.json` writes a --sweep run's winners into kernels/wna16.py (the table by M and how many
+rows go to tinygemm): on the GPU machine before engine_throughput.py in the same call, and here after.
 
 Each variant is timed as CUDA-graph replays of calls that rotate over enough weight copies to leave
 the L2 cache (60 MB) cold, so launch overhead and cache hits stay out; the median of several replays
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -29,13 +33,13 @@ from _report import RESULTS, table, update_section  # noqa: E402
 SHAPES = {"q/o_proj 4096x4096": (4096, 4096), "gate/up 11008x4096": (11008, 4096),
           "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096),
           "gate+up 22016x4096": (22016, 4096)}  # (out N, in K); the engine merges q/k/v and gate/up
-MS = [1, 4, 16, 32, 64, 256, 2048]
+MS = [1, 4, 8, 16, 32, 64, 256, 2048]
 # The four calls one 6.7B decoder layer makes in the engine: a candidate's summed time is the layer's
 # Linear time, so the sweep ranks tiles by what a decode step spends, across N from 4096 to 22016 (the
 # split of K that fills the GPU at N = 4096 adds atomics and a float32 output where N alone would).
 SWEEP_SHAPES = ("fused qkv 12288x4096", "q/o_proj 4096x4096", "gate+up 22016x4096", "down 4096x11008")
 EARLY_SWEEP_SHAPES = ("q/o_proj 4096x4096", "down 4096x11008")  # what runs before "sweep_shapes" swept
-SWEEP_MS = (1, 4, 16, 32, 64, 256)
+SWEEP_MS = (1, 4, 8, 16, 32, 64, 256)
 GROUP = 128
 
 
@@ -108,22 +112,29 @@ def check(weights, bits: int, k: int) -> float:
 
 
 def candidates(m: int):
-    """Tile shapes worth timing for this M: the decode GEMVs (one K tile per program; the float32 and
-    the bf16x2 one), the swap tile (weight as the left tensor-core operand, x permuted) with as many
-    rows as M needs, dequantize + cuBLAS from 32 rows on."""
-    from quantship.kernels.wna16 import Blocks
+    """Tile shapes worth timing for this M: the decode GEMVs (the float32 one and, at one row, the bf16x2
+    one; one K tile per program or as many splits as fill the GPU), the swap tile (weight as the left
+    tensor-core operand, x permuted) with as many rows as M needs, dequantize + cuBLAS from 32 rows on.
+    Split K finishes in the kernel (Blocks.finish); the table's entry for this M also runs the old way
+    (memset, kernel, cast), so the run shows what finishing in the kernel gained."""
+    from quantship.kernels.wna16 import Blocks, choose_blocks
 
-    out = []
+    out = [replace(choose_blocks(m), finish=False)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
-        out += [Blocks("gemv_bf16x2", 1, bn, 128, -1, warps, 1) for bn in (128, 256) for warps in (1, 2)] if m == 1 else []
     if m == 1:
+        out += [Blocks("gemv_bf16x2", 1, bn, 128, split, warps, 1) for bn in (64, 128, 256) for warps in (1, 2, 4)
+                for split in (-1, 0)]
         return out
-    rows = [16] if m <= 16 else [32, 64] if m <= 64 else [128, 256]
-    # 0: as many splits as fill the GPU for this N (wna16._splits), 1: none (no atomics, no float32 output)
-    splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4) if m <= 64 else (1, 2)
-    out += [Blocks("swap_dot", bm, bn, bk, split, 4, stages) for bm in rows for bn in (64, 128) for bk in (128, 256)
-            for split in splits for stages in (2, 4)]
+    if m > 64:
+        return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
+            Blocks("swap_dot", 64, bn, bk, 1, 4, 4) for bn in (64, 128) for bk in (128, 256)]
+    rows = 16 if m <= 16 else 32 if m <= 32 else 64
+    # 0: as many splits as fill the GPU for this N (wna16._splits), 1: none (no atomics)
+    splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
+    stages = (2, 4) if m <= 16 else (4,)
+    out += [Blocks("swap_dot", rows, bn, bk, split, 4, stage) for bn in (64, 128) for bk in (128, 256)
+            for split in splits for stage in stages]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
@@ -204,17 +215,18 @@ def run(out: Path, sweep: bool) -> None:
             for blocks, t in times.items():
                 sweeps.setdefault(m, {}).setdefault(blocks, 0.0)
                 sweeps[m][blocks] += t
-    best = {}
+    best, ranking = {}, {}
     for m, times in sweeps.items():
         everywhere = {b for b in times if all(b in per_shape.get(m, {}) for per_shape in shape_sweeps)}
         ranked = sorted(((b, t) for b, t in times.items() if b in everywhere), key=lambda kv: kv[1])
         best[m] = [(repr(b), t) for b, t in ranked[:3]]
+        ranking[m] = [(asdict(b), t) for b, t in ranked]
         print(f"M={m}: best tiles (summed over shapes): {best[m]}")
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
-              "errors": errors, "rows": rows, "best_tiles": best, "sweep_shapes": list(SWEEP_SHAPES),
+              "errors": errors, "rows": rows, "best_tiles": best, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES),
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_wna16.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -296,16 +308,70 @@ def render() -> None:
     update_section("kernel_wna16", "\n".join(parts))
 
 
+def _source(b) -> str:
+    """A Blocks as kernels/wna16.py writes it."""
+    text = f'Blocks("{b.kind}", {b.block_m}, {b.block_n}, {b.block_k}, {b.split_k}, {b.num_warps}, {b.num_stages}'
+    return text + (", finish=False)" if not b.finish else ")")
+
+
+def adopted_table(r: dict):
+    """The table a sweep's run measured best: per swept M the fastest tiles summed over the layer's four
+    calls (at one row also the fastest float32 GEMV, for what the bf16x2 PTX cannot take), the fastest
+    dequantize + cuBLAS for M past the last; and the most rows for which tinygemm beat them all (from one
+    row up; 0: never)."""
+    from quantship.kernels.wna16 import Blocks
+
+    ranking = {int(m): [(Blocks(**b), t) for b, t in items] for m, items in r["ranking"].items()}
+    table = []
+    for m in sorted(ranking):
+        table.append((m, ranking[m][0][0]))
+        if m == 1:
+            table.append((1, next(b for b, _ in ranking[1] if b.kind == "gemv")))
+    last = max(ranking)
+    table.append((None, next(b for b, _ in ranking[last] if b.kind == "dequantize")))
+    merged = []  # consecutive M classes with the same tiles are one entry, the larger limit
+    for limit, b in table:
+        if merged and merged[-1][1] == b and merged[-1][0] is not None and b.kind != "gemv":
+            merged[-1] = (limit, b)
+        else:
+            merged.append((limit, b))
+    tinygemm_rows = 0
+    for m in sorted(ranking):
+        tiny = [row.get("tinygemm_s") for row in r["rows"] if row["m"] == m and row["shape"] in r["sweep_shapes"]]
+        if None in tiny or not tiny or sum(tiny) >= ranking[m][0][1]:
+            break
+        tinygemm_rows = m
+    return merged, tinygemm_rows
+
+
+def adopt(path: Path) -> None:
+    """Write a sweep's winners into kernels/wna16.py (BLOCKS_BY_M, TINYGEMM_MAX_M): run on the GPU machine
+    between the sweep and the engine benchmark, and here with the run's JSON, so both trees hold one table."""
+    table, tinygemm_rows = adopted_table(json.loads(path.read_text()))
+    source = Path(__file__).parent.parent / "src/quantship/kernels/wna16.py"
+    text = source.read_text()
+    entries = "".join(f"    ({limit}, {_source(b)}),\n" for limit, b in table)
+    text, count = re.subn(r"BLOCKS_BY_M = \[\n(?:    .*\n)*?\]", lambda _: f"BLOCKS_BY_M = [\n{entries}]", text)
+    text, count2 = re.subn(r"TINYGEMM_MAX_M = \d+", f"TINYGEMM_MAX_M = {tinygemm_rows}", text)
+    assert count == 1 and count2 == 1, "kernels/wna16.py no longer has the table where adopt looks for it"
+    source.write_text(text)
+    print("adopted:", *(f"M <= {limit}: {_source(b)}" for limit, b in table), f"tinygemm up to {tinygemm_rows} rows",
+          sep="\n  ")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--sweep", action="store_true")
+    sub.add_parser("adopt").add_argument("result", type=Path, help="kernel_wna16.json of a --sweep run")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
         run(args.out, args.sweep)
+    elif args.cmd == "adopt":
+        adopt(args.result)
     else:
         render()
 

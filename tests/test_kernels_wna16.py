@@ -4,6 +4,8 @@ On CPU these run under Triton's interpreter (conftest sets TRITON_INTERPRET=1) w
 a GPU the same tests run on CUDA, plus the 6.7B Linear shapes.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -79,6 +81,8 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
                                     wna16.Blocks("swap_dot", 16, 16, 64, -1, 4, 1),  # raised to 128: spans
                                     wna16.Blocks("swap_dot", 32, 64, 128, 1, 4, 1),  # one split, rows masked
                                     wna16.Blocks("swap_dot", 16, 16, 128, 0, 4, 1),  # splits to fill the GPU
+                                    wna16.Blocks("swap_dot", 16, 16, 128, 3, 4, 1, finish=False),  # memset, cast
+                                    wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1, finish=False),
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
@@ -88,6 +92,25 @@ def test_every_tile_shape_and_split_agrees(blocks):
     expected = wna16.reference_matmul(x, packed, scale, zero, 4, 512, 64)
     out = wna16.matmul(x, packed, scale, zero, 4, 512, 64, blocks=blocks)
     assert ((out - expected).norm() / expected.norm()) < 3e-3
+
+
+def test_a_split_finished_in_the_kernel_leaves_its_workspace_clean():
+    """A K split adds its partial sums into one float32 workspace per device and the last program of each
+    tile writes y and clears what it used: calls in a row, of different shapes and kernels, each equal the
+    reference and the path that zeroes y first and casts after, and leave the sums and counters at zero."""
+    values, scale, zero = random_quantized(70, 640, 4, 64, False, seed=5)
+    packed, scale, zero = wna16.pack(values, 4).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+    calls = [(3, wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1)), (20, wna16.Blocks("swap_dot", 16, 32, 128, 3, 4, 1)),
+             (5, wna16.Blocks("gemv", 1, 16, 128, 2, 1, 1)), (3, wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1))]
+    for m, blocks in calls:
+        x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        expected = wna16.reference_matmul(x, packed, scale, zero, 4, 640, 64)
+        out = wna16.matmul(x, packed, scale, zero, 4, 640, 64, blocks=blocks)
+        unfinished = wna16.matmul(x, packed, scale, zero, 4, 640, 64, blocks=replace(blocks, finish=False))
+        assert ((out - expected).norm() / expected.norm()) < 3e-3
+        torch.testing.assert_close(out, unfinished, rtol=1e-5, atol=1e-5)
+        sums, counters = wna16.split_workspace(torch.device(DEVICE) if DEVICE == "cpu" else x.device, 0, 0)
+        assert not sums.any() and not counters.any()
 
 
 @pytest.mark.parametrize("group,symmetric,m,n,k,block_k", [(128, True, 1, 72, 1024, 64), (32, False, 3, 40, 160, 64),

@@ -221,10 +221,10 @@ def int4_decode_copy(name: str, module: torch.nn.Module) -> int:
     """Bytes of the tinygemm copy a PackedLinear makes of its int4 weight at its first CUDA decode in
     bf16 (kernels/wna16.py): the packed bytes again plus scales and offsets as bf16 pairs. Routed
     experts run through the fused MoE kernels instead and make none."""
-    from quantship.kernels.wna16 import TINYGEMM_GROUPS
+    from quantship.kernels.wna16 import TINYGEMM_GROUPS, TINYGEMM_MAX_M
     from quantship.models.quantized import PackedLinear
 
-    if not (isinstance(module, PackedLinear) and module.bits == 4 and module.group_size in TINYGEMM_GROUPS
+    if not (TINYGEMM_MAX_M and isinstance(module, PackedLinear) and module.bits == 4 and module.group_size in TINYGEMM_GROUPS
             and module.in_features % 128 == 0 and module.out_features % 8 == 0 and ".experts." not in f".{name}"):
         return 0
     return module.out_features * module.in_features // 2 + 2 * 2 * module.weight_scale.numel()

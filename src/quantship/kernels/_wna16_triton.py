@@ -132,22 +132,50 @@ def _add_scaled(acc, part, scale, SPANS: tl.constexpr):
 
 
 @triton.jit
-def _store_row(acc, y_ptr, row_m, N, offs_n, ATOMIC: tl.constexpr, SPANS: tl.constexpr):
-    """Row row_m of y from a GEMV's accumulator: added atomically when K is split, else stored."""
+def _add_split(part, ws_ptrs, y_ptrs, mask, counter_ptr, splits):
+    """One split's partial sums of a K split, finished in the kernel: added atomically into a float32
+    workspace; the program that adds the last split of its tile writes y in y's dtype and zeroes the
+    workspace and its counter for the next call. One launch instead of a memset, the kernel and a cast."""
+    tl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
+    tl.debug_barrier()  # all the program's sums are in before the count is (one thread releases the count)
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if done == splits - 1:
+        total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where the sums were added
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+        tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
+def _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, mask, tile, splits, ATOMIC: tl.constexpr,
+                FINISH: tl.constexpr):
+    """A tile of y from its accumulator: stored; or, K split, added atomically into y (float32, zeroed by
+    the caller) or finished in the kernel through the workspace (FINISH)."""
+    if ATOMIC:
+        if FINISH:
+            _add_split(acc, ws_ptr + offsets, y_ptr + offsets, mask, counter_ptr + tile, splits)
+        else:
+            tl.atomic_add(y_ptr + offsets, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, splits, ATOMIC: tl.constexpr,
+               FINISH: tl.constexpr, SPANS: tl.constexpr):
+    """Row row_m of y from a GEMV's accumulator (_store_tile; a tile is BN outputs of one row)."""
     if SPANS:
         y = tl.sum(acc, axis=0)
     else:
         y = acc
-    y_ptrs = y_ptr + row_m * N + offs_n
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, y, mask=offs_n < N, sem="relaxed")
-    else:
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    _store_tile(y, y_ptr, ws_ptr, counter_ptr, row_m * N + offs_n, offs_n < N, row_m * tl.num_programs(0) + pid_n,
+                splits, ATOMIC, FINISH)
 
 
 @triton.jit
-def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
+def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
+                      k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                      FINISH: tl.constexpr, SPANS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
     sums; else one group's scale row is loaded per tile and multiplies the tile's column sums."""
@@ -175,7 +203,8 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, gro
             x = x * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
             part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * x[:, None]
         acc = _add_scaled(acc, part, scale, SPANS)
-    _store_row(acc, y_ptr, row_m, N, offs_n, ATOMIC, SPANS)
+    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
+               SPANS)
 
 
 @triton.jit
@@ -221,8 +250,9 @@ add.f32 $0, lo, hi;
 
 
 @triton.jit
-def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                             HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
+def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
+                             group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                             FINISH: tl.constexpr, SPANS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
@@ -256,7 +286,8 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_
              _x_pairs(x_row, k + 2, K)[:, None], _x_pairs(x_row, k + 3, K)[:, None], neg | (neg << 16)],
             dtype=tl.float32, is_pure=True, pack=1)
         acc = _add_scaled(acc, part, scale, SPANS)
-    _store_row(acc, y_ptr, row_m, N, offs_n, ATOMIC, SPANS)
+    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
+               SPANS)
 
 
 @triton.jit
@@ -327,8 +358,9 @@ def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, 
 
 
 @triton.jit
-def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, group_size, k_per_split,
-                          BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, SPANS: tl.constexpr,
+def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
+                          k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                          FINISH: tl.constexpr, SPANS: tl.constexpr,
                           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     """y^T = W x^T on tensor cores for a few to 64 rows of x. The weight is the left operand: its
@@ -371,12 +403,9 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm,
             acc += part
         else:
             acc += part * scale
-    y_ptrs = y_ptr + offs_m[None, :] * N + offs_n[:, None]
-    mask = m_ok[None, :] & (offs_n[:, None] < N)
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    offsets = offs_m[None, :] * N + offs_n[:, None]
+    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
+                pid_m * tl.num_programs(0) + pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH)
 
 
 @triton.jit

@@ -119,16 +119,13 @@ class Blocks:
     split_k: int = 1  # 0: as many splits as fill the GPU, at most K / (4 * block_k); -1: one K tile per program
     num_warps: int = 4
     num_stages: int = 3
+    finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
 
 
-# M class (upper bound) → kernel and tiles, the winners of benchmarks/kernel_wna16.py --sweep on an H200
-# (int4 g128, 4096x4096 and 4096x11008 summed; bf16 cuBLAS takes about 40 µs for the pair at any M up
-# to 64): at M = 1 the bf16x2 GEMV, 23.3 µs (tinygemm, which PackedLinear prefers for int4 bf16 up to 8
-# rows, 22.7); where its PTX cannot run (int8, fp16, off the GPU) the float32 GEMV's own entry. From 2
-# rows the swap tile: at M = 4 36.7 µs against 75.1 for the GEMV (a program per row), at M = 16 37.9
-# against 45.9 for the small tensor-core tile it replaced, 46.6 at 32, 59.3 at 64 against 82.9 for
-# dequantize + cuBLAS; past 64 rows dequantize + cuBLAS (97.0 at M = 256, the swap tile with 128 or 256
-# rows did not win).
+# M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` on an
+# H200, summed over the four Linear calls of a 6.7B decoder layer, written here by its `adopt` (BENCHMARKS.md
+# has the run). At one row the bf16x2 GEMV, and where its PTX cannot run (int8, fp16, off the GPU) the float32
+# GEMV's own entry; then the swap tile; past the last class dequantize + cuBLAS.
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 128, 128, -1, 2, 1)),
     (1, Blocks("gemv", 1, 128, 64, -1, 1, 1)),
@@ -185,6 +182,29 @@ def _splits(blocks: Blocks, tiles: int, k: int, block_k: int) -> tuple[int, int]
     return split_range(k, block_k, split)
 
 
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []  # kept alive: a captured CUDA graph may still use one
+
+
+def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The float32 sums and int32 per-tile counters a K split finishes through inside the kernel, for this
+    device: zero between calls (the last program of each tile clears what it used), so one buffer serves
+    every call in stream order. Grown outside CUDA-graph capture only (a buffer allocated during capture
+    would be zeroed on replay, not now): None then, and the call takes memset + kernel + cast. The engine
+    runs each batch shape eagerly before capturing it, so its graphs find the buffer grown."""
+    held = _WORKSPACES.get(device)
+    if held is not None and held[0].numel() >= sums and held[1].numel() >= tiles:
+        return held
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if held is not None:
+        _OUTGROWN.append(held)
+    sums, tiles = max(sums, 1 << 20, held[0].numel() if held else 0), max(tiles, 1 << 14, held[1].numel() if held else 0)
+    _WORKSPACES[device] = (torch.zeros(sums, dtype=torch.float32, device=device),
+                           torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _WORKSPACES[device]
+
+
 def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                           in_features: int, group_size: int, dtype: torch.dtype,
                           blocks: Blocks | None = None) -> torch.Tensor:
@@ -205,7 +225,7 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
-TINYGEMM_MAX_M = 8  # measured: level with the bf16x2 GEMV at 1 row, faster than the swap tile at 4, 2x slower at 16
+TINYGEMM_MAX_M = 8  # rows up to which PyTorch's tinygemm beat every swept tile (kernel_wna16.py adopt; 0: never)
 
 
 def _tinygemm_scales(scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -296,13 +316,19 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         x2 = permute_x(x2, bits, block_k)
     gemv = blocks.kind in ("gemv", "gemv_bf16x2")
     rows = m if gemv else triton.cdiv(m, blocks.block_m)
-    per_split, splits = _splits(blocks, triton.cdiv(n, blocks.block_n) * rows, k, block_k)
-    y = (torch.zeros if splits > 1 else torch.empty)((m, n), dtype=torch.float32 if splits > 1 else x.dtype,
-                                                      device=x.device)
-    common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, BLOCK_N=blocks.block_n,
-                  BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    grid = (triton.cdiv(n, blocks.block_n), rows, splits)
-    args = (x2, packed, scale, zero if zero is not None else scale, y, m, n, k, x2.stride(0), group_size, per_split)
+    grid = (triton.cdiv(n, blocks.block_n), rows)
+    per_split, splits = _splits(blocks, grid[0] * grid[1], k, block_k)
+    workspace = split_workspace(x.device, m * n, grid[0] * grid[1]) if splits > 1 and blocks.finish else None
+    if splits > 1 and workspace is None:  # partial sums added into y itself: zeroed first, cast after
+        y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    sums, counters = workspace or (y, y)
+    common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
+                  BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    grid = (*grid, splits)
+    args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
+            group_size, per_split)
     # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
     spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
