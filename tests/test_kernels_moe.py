@@ -19,10 +19,12 @@ def routing(n, experts, top_k, seed):
     return weights.to(DEVICE), indices.to(DEVICE)
 
 
-@pytest.mark.parametrize("n,experts,top_k,block_m", [(1, 8, 2, 16), (7, 8, 3, 16), (50, 4, 2, 16), (300, 4, 2, 64)])
-def test_alignment_places_every_slot_once_in_its_experts_blocks(n, experts, top_k, block_m):
+@pytest.mark.parametrize("one_program", [True, False])
+@pytest.mark.parametrize("n,experts,top_k,block_m", [(1, 8, 2, 16), (7, 8, 3, 16), (50, 4, 2, 16), (300, 4, 2, 64),
+                                                     (5, 256, 8, 16), (9, 6, 2, 16)])
+def test_alignment_places_every_slot_once_in_its_experts_blocks(n, experts, top_k, block_m, one_program):
     _, indices = routing(n, experts, top_k, seed=n)
-    sorted_ids, block_expert = fused_moe.align_by_expert(indices, experts, block_m)
+    sorted_ids, block_expert = fused_moe.align_by_expert(indices, experts, block_m, one_program)
     slots = n * top_k
     real = sorted_ids[sorted_ids < slots].long()
     assert sorted(real.tolist()) == list(range(slots))
@@ -35,6 +37,18 @@ def test_alignment_places_every_slot_once_in_its_experts_blocks(n, experts, top_
         else:
             assert (flat[members] == expert).all()
     assert sorted_ids.numel() == block_expert.numel() * block_m
+
+
+@pytest.mark.parametrize("n,experts,top_k,block_m", [(1, 64, 6, 16), (33, 256, 8, 16), (40, 5, 2, 64), (12, 8, 1, 16)])
+def test_alignment_in_one_program_equals_the_sort(n, experts, top_k, block_m):
+    """The one-launch alignment (decode) gives exactly the torch sort's placement, including a batch where
+    every token picks the same experts and experts that get no slot."""
+    _, indices = routing(n, experts, top_k, seed=7 * n)
+    same = indices[:1].expand(n, top_k).contiguous()
+    for case in (indices, same):
+        one = fused_moe.align_by_expert(case, experts, block_m, one_program=True)
+        sort = fused_moe.align_by_expert(case, experts, block_m, one_program=False)
+        assert torch.equal(one[0], sort[0]) and torch.equal(one[1], sort[1])
 
 
 def dense_experts(experts, out, inp, g):

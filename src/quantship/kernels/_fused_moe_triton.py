@@ -105,3 +105,41 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
         acc *= tl.load(routing_ptr + row, mask=valid, other=0.0)[:, None]
         mask = valid[:, None] & (offs_n[None, :] < H)
         tl.store(out_ptr + slot[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def align_kernel(indices_ptr, sorted_ids_ptr, block_expert_ptr, num_slots, num_experts, capacity,
+                 BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+    """fused_moe.align_by_expert in one program (one launch where the torch ops take about twenty):
+    count slots per expert, pad each expert's run to BLOCK_M, fill sorted_ids with the sentinel, name
+    each block's expert, then place every slot at its expert's start plus its rank among the earlier
+    slots of that expert (so the order is align_by_expert's stable sort). Slots go in chunks of CHUNK
+    against all EXPERTS (a power of two >= num_experts) as a one-hot matrix."""
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        chosen = tl.load(indices_ptr + offs, mask=offs < num_slots, other=EXPERTS).to(tl.int32)
+        counts += tl.sum((chosen[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    real_end = tl.where(experts < num_experts, ends, capacity + 1)  # padding experts end past every block
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros_like(offs) + num_slots, mask=offs < capacity)
+    for first in range(0, capacity // BLOCK_M, CHUNK):
+        block = first + tl.arange(0, CHUNK)
+        # torch.searchsorted(ends, block * BLOCK_M, right=True): the experts whose run ends by the block's start
+        expert = tl.sum((real_end[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + block, expert, mask=block < capacity // BLOCK_M)
+    tl.debug_barrier()  # the sentinel is written everywhere before slots overwrite their places
+    seen = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        chosen = tl.load(indices_ptr + offs, mask=offs < num_slots, other=EXPERTS).to(tl.int32)
+        onehot = (chosen[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # earlier slots of each expert
+        place = tl.sum((starts[None, :] + before) * onehot, axis=1)
+        tl.store(sorted_ids_ptr + place, offs, mask=offs < num_slots)
+        seen += tl.sum(onehot, axis=0)

@@ -89,13 +89,28 @@ def block_m_for(slots: int, num_experts: int) -> int:
     return 64 if slots >= 64 * num_experts else 16
 
 
-def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+ALIGN_IN_ONE_PROGRAM = 1024  # slots up to which one Triton program aligns them (decode); beyond, torch's sort
+
+
+def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int,
+                    one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots sorted by expert, each expert's run padded to block_m: (sorted_ids [C], block_expert [C / block_m]).
 
-    Padding entries hold the number of slots (a sentinel). All tensor ops: nothing is read on the host.
-    """
+    Padding entries hold the number of slots (a sentinel). Nothing is read on the host. A few slots
+    (decode steps: at most ALIGN_IN_ONE_PROGRAM) are aligned by one Triton program, one launch; more
+    by torch's ops (a sort), where one program's loop over the slots would take longer."""
     flat = indices.flatten()
     slots = flat.numel()
+    capacity = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
+    if one_program if one_program is not None else slots <= ALIGN_IN_ONE_PROGRAM:
+        from quantship.kernels._fused_moe_triton import align_kernel
+
+        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=flat.device)
+        block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
+        experts = 1 << max(4, (num_experts - 1).bit_length())
+        align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, slots, num_experts, capacity, BLOCK_M=block_m,
+                           EXPERTS=experts, CHUNK=max(16, 4096 // experts), num_warps=4)
+        return sorted_ids, block_expert
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
     padded = (counts + block_m - 1) // block_m * block_m
@@ -103,7 +118,6 @@ def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int) -> tu
     order = flat.argsort(stable=True)
     expert = flat[order]
     rank = torch.arange(slots, device=flat.device) - (counts.cumsum(0) - counts)[expert]
-    capacity = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.full((capacity,), slots, dtype=torch.int32, device=flat.device)
     sorted_ids[(ends - padded)[expert] + rank] = order.to(torch.int32)
     block_start = torch.arange(0, capacity, block_m, device=flat.device)
