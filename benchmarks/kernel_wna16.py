@@ -115,17 +115,19 @@ def candidates(m: int):
     """Tile shapes worth timing for this M: the decode GEMVs (the float32 one and, at one row, the bf16x2
     one; one K tile per program or as many splits as fill the GPU), the swap tile (weight as the left
     tensor-core operand, x permuted) with as many rows as M needs, dequantize + cuBLAS from 32 rows on.
-    Split K finishes in the kernel (Blocks.finish); the table's entry for this M also runs the old way
-    (memset, kernel, cast), so the run shows what finishing in the kernel gained."""
+    Split K finishes in the kernel (Blocks.finish) and int4 values are made as bf16 pairs (Blocks.pairs);
+    the table's entry for this M also runs without each, so the run shows what each gained."""
     from quantship.kernels.wna16 import Blocks, choose_blocks
 
-    out = [replace(choose_blocks(m), finish=False)]
+    out = [replace(choose_blocks(m), finish=False), replace(choose_blocks(m), pairs=False)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
-        out += [Blocks("gemv_bf16x2", 1, bn, 128, split, warps, 1) for bn in (64, 128, 256) for warps in (1, 2, 4)
+        out += [Blocks("gemv_bf16x2", 1, bn, 128, split, warps, 1) for bn in (128, 256) for warps in (2, 4)
                 for split in (-1, 0)]
-        return out
+        # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
+        return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
+                      for split in (0, 8)]
     if m > 64:
         return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
             Blocks("swap_dot", 64, bn, bk, 1, 4, 4) for bn in (64, 128) for bk in (128, 256)]

@@ -120,6 +120,7 @@ class Blocks:
     num_warps: int = 4
     num_stages: int = 3
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
+    pairs: bool = True  # swap tile, int4 with bf16 x on a GPU, a group per tile: values made as bf16 pairs (PTX)
 
 
 # M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` on an
@@ -338,5 +339,5 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
     else:
         kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
-                                            **common)
+                                            PAIRS=blocks.pairs and bf16x2 and not spans, **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)
