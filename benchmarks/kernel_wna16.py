@@ -16,6 +16,7 @@ is kept. GB/s counts the bytes a call must read: packed weight + scales (+ zero 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -115,11 +116,11 @@ def candidates(m: int):
     """Tile shapes worth timing for this M: the decode GEMVs (the float32 one and, at one row, the bf16x2
     one; one K tile per program or as many splits as fill the GPU), the swap tile (weight as the left
     tensor-core operand, x permuted) with as many rows as M needs, dequantize + cuBLAS from 32 rows on.
-    Split K finishes in the kernel (Blocks.finish) and int4 values are made as bf16 pairs (Blocks.pairs);
-    the table's entry for this M also runs without each, so the run shows what each gained."""
+    Split K finishes in the kernel (Blocks.finish); the table's entry for this M also runs the old way
+    (memset, kernel, cast), so the run shows what finishing in the kernel gained."""
     from quantship.kernels.wna16 import Blocks, choose_blocks
 
-    out = [replace(choose_blocks(m), finish=False), replace(choose_blocks(m), pairs=False)]
+    out = [replace(choose_blocks(m), finish=False)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
@@ -323,14 +324,23 @@ def adopted_table(r: dict):
     row up; 0: never)."""
     from quantship.kernels.wna16 import Blocks
 
-    ranking = {int(m): [(Blocks(**b), t) for b, t in items] for m, items in r["ranking"].items()}
+    fields = {f.name for f in dataclasses.fields(Blocks)}
+    ranking = {}
+    for m, items in r["ranking"].items():
+        # "pairs" (int4 values made as bf16 pairs in the swap tile, measured slower and removed): a swap
+        # tile that had it on no longer runs here; other kernels ignored it.
+        ranking[int(m)] = [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
+                           if not (b.get("pairs") and b["kind"] == "swap_dot")]
+    def canonical(b):  # finish means nothing to dequantize + cuBLAS (no split): the default, whichever ran
+        return replace(b, finish=True) if b.kind == "dequantize" else b
+
     table = []
     for m in sorted(ranking):
-        table.append((m, ranking[m][0][0]))
+        table.append((m, canonical(ranking[m][0][0])))
         if m == 1:
             table.append((1, next(b for b, _ in ranking[1] if b.kind == "gemv")))
     last = max(ranking)
-    table.append((None, next(b for b, _ in ranking[last] if b.kind == "dequantize")))
+    table.append((None, canonical(next(b for b, _ in ranking[last] if b.kind == "dequantize"))))
     merged = []  # consecutive M classes with the same tiles are one entry, the larger limit
     for limit, b in table:
         if merged and merged[-1][1] == b and merged[-1][0] is not None and b.kind != "gemv":

@@ -19,6 +19,7 @@ from quantship.engine.config import EngineConfig
 from quantship.engine.engine import LLMEngine
 from quantship.engine.sampling_params import SamplingParams
 from quantship.errors import QuantshipError
+from quantship.kernels import wna16
 from quantship.models.bundled import TINY_DIR
 from quantship.models.config import load_config
 from quantship.models.loader import load_model
@@ -62,14 +63,18 @@ def w4a16(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_memory_is_what_the_loader_holds(w4a16, dtype):
+def test_weight_memory_is_what_the_loader_holds(w4a16, dtype, monkeypatch):
     for path, scheme in ((TINY_DIR, None), (w4a16, None)):
         planned = weight_memory(load_config(path), scheme, dtype, path)
         assert planned.weight_bytes == weight_bytes(load_model(path, dtype)), path
     # Planning W4A16 for the bf16 model gives what quantizing and loading it gives.
     planned = weight_memory(load_config(TINY_DIR), "W4A16", dtype)
     assert planned.weight_bytes == weight_bytes(load_model(w4a16, dtype))
-    assert (planned.decode_copy_bytes > 0) == (dtype == torch.bfloat16)
+    # tinygemm's int4 copy is planned only where decode sends rows to it (bf16, a table that uses it)
+    for rows in (0, 8):
+        monkeypatch.setattr(wna16, "TINYGEMM_MAX_M", rows)
+        planned = weight_memory(load_config(TINY_DIR), "W4A16", dtype)
+        assert (planned.decode_copy_bytes > 0) == (dtype == torch.bfloat16 and rows > 0)
 
 
 def test_kv_bytes_per_token_mla_latent_against_full_kv(shapes):
@@ -131,7 +136,8 @@ def test_out_of_memory_point_roofline_and_recommendation(shapes):
         assert p.memory["free_bytes"] - p.memory["kv_budget_bytes"] >= 2 * r.overhead_bytes
     # W4A16 frees memory for cache but makes int4 decode copies; V2-Lite's latent cache holds far more.
     q = capacity.plan(capacity.Request(model=shapes["coder"], scheme="W4A16", gpu="H200", contexts=(4096,)))
-    assert q.served.weight_bytes < p.served.weight_bytes / 3 and q.row(4096).overheads["int4_decode_copies"] > 0
+    assert q.served.weight_bytes < p.served.weight_bytes / 3
+    assert (q.row(4096).overheads["int4_decode_copies"] > 0) == (wna16.TINYGEMM_MAX_M > 0)
     v2 = capacity.plan(capacity.Request(model=shapes["v2-lite"], gpu="H200", contexts=(4096,)))
     assert v2.row(4096).seqs_engine > 5 * p.row(4096).seqs_engine
     assert p.recommended == {"kv_cache_fraction": p.memory["kv_cache_fraction"], "max_num_seqs": p.rows[0].optimal_batch,
@@ -245,7 +251,7 @@ def test_info_reports_the_weight_memory_the_engine_holds(w4a16, capsys):
         serving = json.loads(capsys.readouterr().out)["serving"]
         held[path] = weight_bytes(load_model(path, torch.bfloat16))
         assert serving["weight_bytes"] == held[path], path
-        assert (serving["decode_copy_bytes"] > 0) == (path == w4a16)
+        assert (serving["decode_copy_bytes"] > 0) == (path == w4a16 and wna16.TINYGEMM_MAX_M > 0)
     assert held[w4a16] < 0.6 * held[TINY_DIR]  # packed int4 + scales, against bf16
 
 

@@ -292,63 +292,6 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
                SPANS)
 
 
-# Two int4 words (the elements an invocation of pack=2 gets) to their 8 values each as bf16, exact, for
-# tensor-core products: nibbles j and j + 4 of a word are OR-ed into the mantissas of a bf16x2 128.0 (lop3)
-# and 128 + 8 (+ zero point) is subtracted by one bf16x2 FMA; prmt then pairs value j of the two words
-# (the register layout of a pack=2 bf16 output). About 2 instructions per value, where the float32 route
-# (_exact_values, then a conversion) takes about 4. $0-$7: values 0..7; $8, $9: the words; $10, $11:
-# -(136 + zero) as bf16x2 for each.
-_UNPACK_BF16 = tl.constexpr("""{
-.reg .b32 a, b, s, m, c, one;
-mov.b32 m, 0x000F000F;
-mov.b32 c, 0x43004300;
-mov.b32 one, 0x3F803F80;
-lop3.b32 a, $8, m, c, 0xea;
-fma.rn.bf16x2 a, a, one, $10;
-lop3.b32 b, $9, m, c, 0xea;
-fma.rn.bf16x2 b, b, one, $11;
-prmt.b32 $0, a, b, 0x5410;
-prmt.b32 $4, a, b, 0x7632;
-shr.u32 s, $8, 4;
-lop3.b32 a, s, m, c, 0xea;
-fma.rn.bf16x2 a, a, one, $10;
-shr.u32 s, $9, 4;
-lop3.b32 b, s, m, c, 0xea;
-fma.rn.bf16x2 b, b, one, $11;
-prmt.b32 $1, a, b, 0x5410;
-prmt.b32 $5, a, b, 0x7632;
-shr.u32 s, $8, 8;
-lop3.b32 a, s, m, c, 0xea;
-fma.rn.bf16x2 a, a, one, $10;
-shr.u32 s, $9, 8;
-lop3.b32 b, s, m, c, 0xea;
-fma.rn.bf16x2 b, b, one, $11;
-prmt.b32 $2, a, b, 0x5410;
-prmt.b32 $6, a, b, 0x7632;
-shr.u32 s, $8, 12;
-lop3.b32 a, s, m, c, 0xea;
-fma.rn.bf16x2 a, a, one, $10;
-shr.u32 s, $9, 12;
-lop3.b32 b, s, m, c, 0xea;
-fma.rn.bf16x2 b, b, one, $11;
-prmt.b32 $3, a, b, 0x5410;
-prmt.b32 $7, a, b, 0x7632;
-}""")
-
-
-@triton.jit
-def _bf16_values(w, base, HAS_ZERO: tl.constexpr):
-    """The 8 values of each int4 word of `w` minus their offset (8, plus the zero point `base` holds as
-    zero + 8), as 8 bf16 tensors shaped like `w`: exact small integers, through bf16x2 PTX (GPU only)."""
-    if HAS_ZERO:
-        offset = base + 128.0
-    else:
-        offset = tl.zeros_like(base) + 136.0
-    neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return tl.inline_asm_elementwise(_UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, neg | (neg << 16)],
-                                     dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-
-
 @triton.jit
 def packed_tile_dot(a_rows, a_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS: tl.constexpr,
                     HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -421,7 +364,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
                           k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, SPANS: tl.constexpr,
                           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr):
     """y^T = W x^T on tensor cores for a few to 64 rows of x. The weight is the left operand: its
     [BN, R] word tile is loaded once (pipelined into shared memory, read in the product's register
     layout) and gives one product per value position i, so BN outputs fill the instruction's wide
@@ -452,18 +395,12 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
         w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
                                         group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PAIRS:  # int4, bf16 x, one group per tile: the values as bf16 straight from the words
-            values = _bf16_values(w, base, HAS_ZERO)
-            for i in tl.static_range(8):
-                x = tl.load(x_rows + (k0 + 16 * i + x_cols)[:, None], mask=m_ok[None, :], other=0.0)
-                part = tl.dot(values[i], x, part, out_dtype=tl.float32)
-        else:
-            for i in tl.static_range(PER_WORD):
-                x = tl.load(x_rows + (k0 + 16 * i + x_cols)[:, None], mask=m_ok[None, :], other=0.0)
-                v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
-                if SPANS:
-                    v = v * scale
-                part = tl.dot(v.to(x_ptr.dtype.element_ty), x, part, out_dtype=tl.float32)
+        for i in tl.static_range(PER_WORD):
+            x = tl.load(x_rows + (k0 + 16 * i + x_cols)[:, None], mask=m_ok[None, :], other=0.0)
+            v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+            if SPANS:
+                v = v * scale
+            part = tl.dot(v.to(x_ptr.dtype.element_ty), x, part, out_dtype=tl.float32)
         if SPANS:
             acc += part
         else:

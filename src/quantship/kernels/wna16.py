@@ -120,7 +120,6 @@ class Blocks:
     num_warps: int = 4
     num_stages: int = 3
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
-    pairs: bool = True  # swap tile, int4 with bf16 x on a GPU, a group per tile: values made as bf16 pairs (PTX)
 
 
 # M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` on an
@@ -128,8 +127,8 @@ class Blocks:
 # has the run). At one row the bf16x2 GEMV, and where its PTX cannot run (int8, fp16, off the GPU) the float32
 # GEMV's own entry; then the swap tile; past the last class dequantize + cuBLAS.
 BLOCKS_BY_M = [
-    (1, Blocks("gemv_bf16x2", 1, 128, 128, -1, 2, 1)),
-    (1, Blocks("gemv", 1, 128, 64, -1, 1, 1)),
+    (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
+    (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
     (16, Blocks("swap_dot", 16, 128, 128, 8, 4, 4)),
     (32, Blocks("swap_dot", 32, 64, 128, 4, 4, 4)),
     (64, Blocks("swap_dot", 64, 128, 128, 4, 4, 4)),
@@ -226,7 +225,7 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
-TINYGEMM_MAX_M = 8  # rows up to which PyTorch's tinygemm beat every swept tile (kernel_wna16.py adopt; 0: never)
+TINYGEMM_MAX_M = 0  # rows up to which PyTorch's tinygemm beat every swept tile (kernel_wna16.py adopt; 0: never)
 
 
 def _tinygemm_scales(scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -339,5 +338,5 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
     else:
         kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
-                                            PAIRS=blocks.pairs and bf16x2 and not spans, **common)
+                                            **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)
