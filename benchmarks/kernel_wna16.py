@@ -237,21 +237,46 @@ def run(out: Path, sweep: bool) -> None:
         print(label, "relative error vs float32 reference:", e)
 
 
-def _sweep_text(r: dict) -> str:
-    """The --sweep's ranking (summed over SWEEP_SHAPES) against the fixed table's and tinygemm's time there."""
-    if not r.get("best_tiles"):
-        return "No tile sweep in this run (`run --sweep` adds one)."
-    parts = []
+def _short(blocks: str) -> str:
+    """A Blocks repr as kind and tiles only (the sweep's JSON keeps the full repr)."""
+    fields = dict(part.split("=") for part in blocks[len("Blocks("):-1].split(", "))
+    kind = fields["kind"].strip("'")
+    if kind == "dequantize":
+        return "dequantize + cuBLAS"
+    split = {"-1": "a K tile per program", "0": "K split to fill the GPU", "1": "K unsplit"}.get(
+        fields["split_k"], f"K split {fields['split_k']}")
+    rows = "" if kind.startswith("gemv") else f"{fields['block_m']} rows x "
+    return f"{kind} {rows}{fields['block_n']} outputs x {fields['block_k']} inputs, {split}"
+
+
+def _layer_rows(r: dict) -> list[list]:
+    """Per swept M: one decoder layer's four Linear calls summed (µs), bf16 cuBLAS, tinygemm, the run's
+    table, the sweep's fastest tiles (what `adopt` makes the table)."""
+    rows = []
     swept = r.get("sweep_shapes", EARLY_SWEEP_SHAPES)
     for m, ranked in r["best_tiles"].items():
-        rows = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in swept]
-        fixed = sum(row["w4a16_s"] for row in rows)
-        tiny = sum(row.get("tinygemm_s", float("nan")) for row in rows)
-        best, t = ranked[0]
-        parts.append(f"M = {m}: {best} {t * 1e6:.1f} µs, the table's choice {fixed * 1e6:.1f} µs, "
-                     f"tinygemm {tiny * 1e6:.1f} µs")
-    return ("W4A16 tile sweep of this run (`run --sweep`, every candidate checked against the reference first; "
-            f"times summed over {', '.join(swept[:-1])} and {swept[-1]}): " + "; ".join(parts) + ".")
+        calls = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in swept]
+        dense = sum(row["bf16_s"] for row in calls)
+        tiny = sum(row.get("tinygemm_s", float("nan")) for row in calls)
+        fixed = sum(row["w4a16_s"] for row in calls)
+        # the fastest candidate the code still has (adopted_table's filter)
+        best, t = next(((b, t) for b, t in ranked if not ("pairs=True" in b and "swap_dot" in b)), ranked[0])
+        rows.append([m, f"{dense * 1e6:.1f}", f"{tiny * 1e6:.1f}", f"{fixed * 1e6:.1f}", f"{t * 1e6:.1f}",
+                     _short(best), f"{dense / t:.2f}x"])
+    return rows
+
+
+def _sweep_text(r: dict) -> list[str]:
+    """The --sweep's ranking as a table of one layer's Linear time."""
+    if not r.get("best_tiles"):
+        return ["No tile sweep in this run (`run --sweep` adds one).", ""]
+    swept = r.get("sweep_shapes", EARLY_SWEEP_SHAPES)
+    return [f"One decoder layer's Linear calls ({', '.join(swept)}) summed, microseconds, same run: bf16 cuBLAS, "
+            "PyTorch's tinygemm, the table the run started with, and the fastest tiles of the sweep (`run "
+            "--sweep`, every candidate checked against the reference first), which `adopt` wrote into "
+            "kernels.wna16.", "",
+            table(["M", "bf16 µs", "tinygemm µs", "run's table µs", "sweep's best µs", "sweep's best tiles",
+                   "best vs bf16"], _layer_rows(r)), ""]
 
 
 def _table_text(table) -> str:
@@ -262,11 +287,16 @@ def _table_note(r: dict) -> str:
     """Whether the Triton columns ran with the table the code now has (runs before this key: unknown)."""
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
-    now = _table_text(BLOCKS_BY_M)
-    if r.get("table") == now:
+    if r.get("table") == _table_text(BLOCKS_BY_M):
         return "The Triton columns ran with the table the code has now (kernels.wna16.BLOCKS_BY_M)."
-    return ("The Triton columns ran with an earlier table; kernels.wna16.BLOCKS_BY_M has since changed to "
-            f"{now}, not yet measured here.")
+    note = ("The Triton columns ran with the table the run started with; the code now has the sweep's winners "
+            "(last column of the layer table below).")
+    if "pairs=True" in r.get("table", "") and "swap_dot" in r.get("table", ""):
+        note += (" In this run the swap tile made its int4 values as bf16 pairs in PTX (lop3, one bf16x2 FMA, "
+                 "prmt: about half the instructions of the float32 route); the sweep timed both and the pairs "
+                 "were slower at every M from 4 to 64 (8-35% per layer), so that code is gone and the 4-64 row "
+                 "Triton columns understate the table now in use.")
+    return note
 
 
 def render() -> None:
@@ -290,21 +320,23 @@ def render() -> None:
                     "W8A16 Triton GB/s", "Triton W4A16 speed-up over bf16", "tinygemm speed-up over bf16"],
                    rows), "",
              "Triton columns are the kernel table of the run: at one row the bf16x2 GEMV (one K tile per "
-             "program, two int4 values per PTX instruction, partial sums added atomically: the "
-             "many-small-programs shape GemLite calls reverse split-K), at 4 rows the float32 GEMV (a program per "
-             "row), from 16 to 64 rows the swap tile (y^T = W x^T on tensor cores: the weight tile fills the "
-             "instruction's 64-row side, x permuted per call so each product's inputs are contiguous; 64-row "
-             "tiles at 32 rows), past 64 rows dequantize + cuBLAS; the W8A16 column runs the float32 GEMV at one "
-             "row. The table has since sent 2-8 rows to the 16-row swap tile and 17-32 rows to a 32-row one, the "
-             "sweep's winners below. At one row the bf16x2 GEMV is level with tinygemm and 1.6-1.95x faster "
-             "than bf16 cuBLAS (not the 3.9x the byte count allows: it reads 1.05-1.66 TB/s of 4.3); at 16 rows "
-             "the swap tile is 2x tinygemm and 0.9-1.16x bf16 cuBLAS; at 64 rows it reads 0.46-0.64 TB/s, half "
-             "to three quarters of bf16's speed. PackedLinear sends int4 bf16 decode up to 8 rows to tinygemm "
-             "(faster at 4 rows: the swap tile's cost is flat up to its 16 rows). What is left between these "
-             "figures and the bytes is the dequantization's instructions and latency; a Marlin-class layout "
-             "(weights pre-shuffled into the tensor-core fragment order, lop3 conversions two values at a time) "
-             "is the known next step.",
-             "", _sweep_text(r) + " " + _table_note(r), "",
+             "program, two int4 values per PTX instruction, the many-small-programs shape GemLite calls reverse "
+             "split-K), from 2 to 64 rows the swap tile (y^T = W x^T on tensor cores: the weight tile fills the "
+             "instruction's 64-row side, x permuted per call so each product's inputs are contiguous), past 64 rows "
+             "dequantize + cuBLAS; the W8A16 column runs the float32 GEMV at one row. A K split now finishes in "
+             "the kernel: partial sums go into a float32 workspace and the last program of each output tile "
+             "writes it in the model's dtype and clears what it used (one launch where a memset, the kernel and "
+             "a cast were three; the sweep times the table's tiles both ways: from 3% slower at 4-16 rows to 3-11% "
+             "faster at 1, 32 and 64 rows over a layer, and the winners it adopted all finish in the kernel). "
+             + _table_note(r), "",
+             *_sweep_text(r),
+             "At one row the GEMV is about 1.9x bf16 cuBLAS over a layer, faster than tinygemm, and still reads "
+             "well under the copy bandwidth (1.1-1.9 TB/s of 4.3 per call); from 4 to 16 rows the swap tile is "
+             "level with bf16 to 1.16x faster, and at 32-64 rows slower than bf16 (0.9x, 0.73x over a layer). "
+             "tinygemm is faster only at 4 rows, by about 9%, and would need a second copy of the int4 weights: "
+             "the table no longer uses it (TINYGEMM_MAX_M 0). What separates these figures from the bytes is the "
+             "dequantization's instructions and latency in Triton's layouts; a Marlin-class kernel (weights "
+             "pre-shuffled into the tensor-core fragment order) is the known next step.", "",
              "Prefill-sized calls (M = 2048), microseconds: W4A16 (dequantize once in Triton, then cuBLAS) "
              "against bf16 cuBLAS.", "",
              table(["Linear", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed"], prefill)]
