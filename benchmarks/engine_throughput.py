@@ -654,6 +654,8 @@ def main() -> None:
     q.add_argument("--layers", type=int)
     q.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     q.add_argument("--profile", action="store_true", help="print the W4A16 graph's kernels by GPU time per batch")
+    q.add_argument("--moe-split-k", type=int, default=None,
+                   help="K splits of the fused MoE's decode blocks (kernels.fused_moe.DECODE_SPLIT_K) for this run")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -661,6 +663,10 @@ def main() -> None:
     if args.cmd == "agreement":
         agreement_on_bundled(args.out)
     elif args.cmd == "quick":
+        if args.moe_split_k is not None:
+            from quantship.kernels import fused_moe
+
+            fused_moe.DECODE_SPLIT_K = args.moe_split_k
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)

@@ -1,7 +1,7 @@
 """Decode time of one DeepSeek MoE decoder layer (MLA + routed experts) in the engine, against the bytes it must read.
 
 On the GPU machine (DeepSeek-V3's shapes, random bf16 weights, then the same RTN-quantized to W4A16):
-    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT
+    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT [--split-k 1 4]
 Here, to check the script end to end on a V3-shaped model a few MB large:
     .venv/bin/python benchmarks/moe_decode_layer.py run --shape v3-smoke
 Then here: .venv/bin/python benchmarks/moe_decode_layer.py render
@@ -110,8 +110,13 @@ def layer_bytes(model, batch: int) -> float:
     return read_bytes(weight_bytes(layer), routed_bytes(layer), model.config, batch)
 
 
-def run(shape: str, out: Path) -> None:
+def run(shape: str, out: Path, splits: tuple[int, ...] = (1,)) -> None:
+    """Each scheme at each batch, once per K split of the fused MoE's decode blocks in `splits`
+    (fused_moe.DECODE_SPLIT_K; engines rebuilt so their graphs capture it)."""
+    import engine_throughput
     from engine_throughput import copy_bandwidth, quantized_copy
+
+    from quantship.kernels import fused_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     full = build(shape, 1 + MOE_LAYERS, device)
@@ -120,14 +125,16 @@ def run(shape: str, out: Path) -> None:
     bandwidth = copy_bandwidth() if device == "cuda" else None
     rows = []
     with torch.inference_mode():
-        for scheme, model in variants:
+        for split, (scheme, model) in [(split, variant) for split in splits for variant in variants]:
+            fused_moe.DECODE_SPLIT_K = split
+            engine_throughput._ENGINES.clear()  # graphs captured with the previous split
             short = first_layers(model, 2)
             read = {b: layer_bytes(model, b) for b in BATCHES}  # before any engine makes decode copies
             for batch in BATCHES:
                 t_full, t_short = step_seconds(model, batch), step_seconds(short, batch)
                 per_layer = (t_full - t_short) / (MOE_LAYERS - 1)
                 row = {"scheme": scheme, "batch": batch, "layer_ms": per_layer * 1e3, "step_ms_full": t_full * 1e3,
-                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch]}
+                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch], "split_k": split}
                 if bandwidth:
                     row["roofline_ms"] = read[batch] / bandwidth * 1e3
                     row["of_roofline"] = row["roofline_ms"] / row["layer_ms"]
@@ -145,7 +152,8 @@ def render() -> None:
         return
     r = json.loads(path.read_text())
     write_result(path.stem, r)
-    rows = [[x["scheme"], x["batch"], f"{x['layer_ms']:.3f}", f"{x['layer_read_bytes'] / 1e9:.2f}",
+    rows = [[x["scheme"] + (f", K split {x['split_k']}" if x.get("split_k", 1) != 1 else ""), x["batch"],
+             f"{x['layer_ms']:.3f}", f"{x['layer_read_bytes'] / 1e9:.2f}",
              f"{x['roofline_ms']:.3f}", f"{x['of_roofline']:.0%}"] for x in r["rows"]]
     old = RESULTS / "moe_decode_layer_v3_old_moe_tile.json"  # the same run before the decode tile changed
     if old.exists():
@@ -165,8 +173,10 @@ def render() -> None:
             "layer now takes less time than bf16; at batch 1 (one token per expert; runs differ by 10-20% "
             "here, compare within a run) neither path reads more than a fraction of its roofline, and W4A16 is "
             "no faster than bf16: each working program streams its expert's whole K alone. The rows \"K split\" "
-            "split that K over more programs (partial sums added atomically, a code path since removed): 4-5% "
-            "faster at batch 32 and 3-12% slower at batch 1, inside this table's run-to-run spread."]
+            "split that K over more programs (partial sums added atomically into a zeroed float32 output, cast "
+            "after; that version was removed): 4-5% faster at batch 32 and 3-12% slower at batch 1, inside this "
+            "table's run-to-run spread. The split is back, finished in the kernel (no memset, no cast), off until "
+            "timed: `run --split-k 1 4` adds rows \"K split N\" of the current code."]
     update_section("moe_decode_layer", "\n".join(text))
 
 
@@ -176,10 +186,12 @@ def main() -> None:
     p = sub.add_parser("run")
     p.add_argument("--shape", default="v3", choices=["v3", "v3-smoke"])
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--split-k", type=int, nargs="+", default=[1],
+                   help="K splits of the fused MoE's decode blocks to time, each in its own engines (1: none)")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
-        run(args.shape, args.out)
+        run(args.shape, args.out, tuple(args.split_k))
     else:
         render()
 

@@ -25,11 +25,13 @@ def compile(fn, signature, constexprs):
     assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
     print(fn.__name__, "ok")
 
-matmul = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "y_ptr": "*fp32", "M": "i32",
-          "N": "i32", "K": "i32", "stride_xm": "i32", "group_size": "i32", "k_per_split": "i32"}
+matmul = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+          "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "group_size": "i32",
+          "k_per_split": "i32"}
 for bits in (4, 8):
     for zero in (False, True):
-        tiles = {"BITS": bits, "HAS_ZERO": zero, "ATOMIC": True, "BLOCK_N": 128, "BLOCK_K": 128}
+        # K split finished in the kernel with zero points, added into a float32 y without (both paths compile)
+        tiles = {"BITS": bits, "HAS_ZERO": zero, "ATOMIC": True, "FINISH": zero, "BLOCK_N": 128, "BLOCK_K": 128}
         for spans in (False, True):
             compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans))
             if bits == 4:  # its bf16x2 PTX goes through ptxas here: the interpreter cannot run it
@@ -46,16 +48,23 @@ experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
 gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
            for p, t in experts.items()}, **{p.replace("w_", "up_").replace("s_", "up_s_").replace("z_", "up_z_"): t
            for p, t in experts.items()}, "act_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "TOP_K": "i32", "group_size": "i32"}
+           "ws_ptr": "*fp32", "counter_ptr": "*i32", "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32",
+           "TOP_K": "i32", "group_size": "i32", "k_per_split": "i32"}
 down = {"act_ptr": "*bf16", **experts, "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-        "routing_ptr": "*fp32", "num_slots": "i32", "num_experts": "i32", "H": "i32", "I": "i32", "group_size": "i32"}
+        "routing_ptr": "*fp32", "ws_ptr": "*fp32", "counter_ptr": "*i32", "num_slots": "i32", "num_experts": "i32",
+        "H": "i32", "I": "i32", "group_size": "i32", "k_per_split": "i32"}
 for bits, zero in ((0, False), (4, False), (4, True), (8, False)):
     weight_type = "*bf16" if bits == 0 else "*i32"
-    for spans, block_m in ((False, 16), (True, 16), (False, 64), (True, 64)) if bits else ((False, 64),):
-        tiles = {"BITS": bits, "HAS_ZERO": zero, "SPANS": spans, "BLOCK_M": block_m, "BLOCK_N": 64,
-                 "BLOCK_K": 128 if bits == 4 and block_m == 16 else 64}
+    for spans, block_m in ((False, 16), (True, 16), (False, 64), (True, 64)) if bits else ((False, 16), (False, 64)):
+        # decode blocks compile with their K split finished in the kernel, prefill blocks without
+        tiles = {"BITS": bits, "HAS_ZERO": zero, "SPANS": spans, "SPLIT": block_m == 16, "BLOCK_M": block_m,
+                 "BLOCK_N": 64, "BLOCK_K": 128 if bits == 4 and block_m == 16 else 64}
         compile(moe.moe_gate_up_kernel, dict(gate_up, gate_ptr=weight_type, up_ptr=weight_type), tiles)
         compile(moe.moe_down_kernel, dict(down, w_ptr=weight_type), tiles)
+for experts, chunk in ((64, 64), (256, 16)):  # V2-Lite's and V3's routed experts
+    compile(moe.align_kernel, {"indices_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+            "num_slots": "i32", "num_experts": "i32", "capacity": "i32"},
+            {"BLOCK_M": 16, "EXPERTS": experts, "CHUNK": chunk})
 for group, dim in ((1, 128), (4, 128), (7, 64)):
     compile(attention.paged_decode_kernel, {"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
             "lengths_ptr": "*i32", "out_ptr": "*bf16", "stride_slots": "i32", "width": "i32", "scale": "fp32"},
@@ -84,4 +93,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 70
+    assert done.stdout.count(" ok") == 74

@@ -105,6 +105,28 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
         assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, error.item())
 
 
+@pytest.mark.parametrize("n,experts,top_k,hidden,inter,quant,split", [
+    (1, 8, 2, 256, 64, None, 3), (3, 8, 2, 512, 192, (4, 64, True), 2), (5, 4, 3, 384, 128, (4, 32, False), 4),
+    (4, 8, 2, 512, 128, (8, 128, True), 8)])
+def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hidden, inter, quant, split):
+    """Decode blocks with K split over programs (gate/up's SiLU product and down's sums finished by the last
+    split of each tile through the float32 workspace) equal the loop and the unsplit kernels, twice in a
+    row, and leave the workspace clear; every expert of a batch picking the same ones included."""
+    g = torch.Generator().manual_seed(hidden + n + split)
+    x = torch.randn(n, hidden, generator=g).to(DEVICE)
+    gate, up, down = layer_experts(experts, hidden, inter, quant, g)
+    weights, indices = routing(n, experts, top_k, seed=n + 2)
+    for chosen in (indices, indices[:1].expand(n, top_k).contiguous()):
+        expected = fused_moe.reference(x, gate, up, down, weights, chosen)
+        whole = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=1)
+        for _ in range(2):
+            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split)
+            assert ((out.float() - expected).norm() / expected.norm()) < 1e-5
+            torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+        sums, counters = wna16.split_workspace(x.device, 0, 0)
+        assert not sums.any() and not counters.any()
+
+
 @pytest.mark.parametrize("quantize", [False, True])
 def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
     """The DeepSeek MoE module's own routing, through the fused kernels and through its expert loop,

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from quantship.kernels._wna16_triton import _tile_offset, _tile_values_2d, packed_tile_dot
+from quantship.kernels._wna16_triton import _last_split, _take_sums, _tile_offset, _tile_values_2d, packed_tile_dot
 
 
 @triton.jit
@@ -34,10 +34,10 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
 
 
 @triton.jit
-def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size,
+def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size, k_begin, k_end,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight.
+    """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end.
 
     BITS 0: dense [E, N, K]. BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8
     zero points), through the packed tile product of the plain W4A16/W8A16 kernels."""
@@ -45,7 +45,7 @@ def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, gro
     PER_WORD: tl.constexpr = 32 // BITS if BITS else 1
     words = tl.cdiv(K, PER_WORD) * N
     metas = tl.cdiv(K, group_size) * N
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if BITS == 0:  # static branches: the packed arithmetic is not even compiled for dense experts
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
@@ -64,11 +64,20 @@ def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, gro
 
 
 @triton.jit
+def _k_range(K, k_per_split):
+    """This program's inputs: split program_id(2) of K."""
+    k_begin = tl.program_id(2) * k_per_split
+    return k_begin, tl.minimum(k_begin + k_per_split, K)
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, act_ptr,
-                       sorted_ids_ptr, block_expert_ptr, num_slots, num_experts, H, I, TOP_K, group_size,
-                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots."""
+                       sorted_ids_ptr, block_expert_ptr, ws_ptr, counter_ptr, num_slots, num_experts, H, I, TOP_K,
+                       group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots. SPLIT: K
+    is split over program_id(2); gate and up sums meet in the float32 workspace [2, slots, I] and the
+    program adding a tile's last split applies SiLU and the product (wna16's in-kernel finish)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < num_experts:  # blocks past the last expert's run do nothing
@@ -78,20 +87,33 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
         token = tl.where(valid, slot // TOP_K, 0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         a_rows = x_ptr + token * H
-        gate = _expert_product(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size, BITS,
-                               HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
-        up = _expert_product(a_rows, valid, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, BITS,
-                             HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+        k_begin, k_end = _k_range(H, k_per_split)
+        gate = _expert_product(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size,
+                               k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+        up = _expert_product(a_rows, valid, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end,
+                             BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
         mask = valid[:, None] & (offs_n[None, :] < I)
-        act = gate * tl.sigmoid(gate) * up
-        tl.store(act_ptr + slot[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
+        offsets = slot[:, None] * I + offs_n[None, :]
+        if SPLIT:
+            tl.atomic_add(ws_ptr + offsets, gate, mask=mask, sem="relaxed")
+            tl.atomic_add(ws_ptr + num_slots * I + offsets, up, mask=mask, sem="relaxed")
+            if _last_split(counter_ptr + pid_m * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2)):
+                gate = _take_sums(ws_ptr + offsets, mask)
+                up = _take_sums(ws_ptr + num_slots * I + offsets, mask)
+                act = gate * tl.sigmoid(gate) * up
+                tl.store(act_ptr + offsets, act.to(act_ptr.dtype.element_ty), mask=mask)
+        else:
+            act = gate * tl.sigmoid(gate) * up
+            tl.store(act_ptr + offsets, act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, num_slots,
-                    num_experts, H, I, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                    SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots."""
+def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, ws_ptr,
+                    counter_ptr, num_slots, num_experts, H, I, group_size, k_per_split, BITS: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots (SPLIT: as gate/up,
+    through the workspace [slots, H])."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < num_experts:
@@ -100,11 +122,18 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
         valid = slot < num_slots
         row = tl.where(valid, slot, 0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _expert_product(act_ptr + row * I, valid, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, BITS,
-                              HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+        k_begin, k_end = _k_range(I, k_per_split)
+        acc = _expert_product(act_ptr + row * I, valid, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, k_begin,
+                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
         acc *= tl.load(routing_ptr + row, mask=valid, other=0.0)[:, None]
         mask = valid[:, None] & (offs_n[None, :] < H)
-        tl.store(out_ptr + slot[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        offsets = slot[:, None] * H + offs_n[None, :]
+        if SPLIT:
+            tl.atomic_add(ws_ptr + offsets, acc, mask=mask, sem="relaxed")
+            if _last_split(counter_ptr + pid_m * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2)):
+                tl.store(out_ptr + offsets, _take_sums(ws_ptr + offsets, mask).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

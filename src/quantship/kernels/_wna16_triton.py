@@ -132,20 +132,36 @@ def _add_scaled(acc, part, scale, SPANS: tl.constexpr):
 
 
 @triton.jit
+def _last_split(counter_ptr, splits):
+    """Counts this program's split of its tile in (after its partial sums: every thread's adds are in
+    before the one thread that counts releases them); true for the program that counts the last one,
+    which resets the counter for the next call."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    last = done == splits - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def _take_sums(ws_ptrs, mask):
+    """The summed splits of a tile, read from L2 (where they were added), and the workspace cleared:
+    threads holding the same element (a replicated layout) all read it before any clears it."""
+    total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.debug_barrier()
+    tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+    return total
+
+
+@triton.jit
 def _add_split(part, ws_ptrs, y_ptrs, mask, counter_ptr, splits):
     """One split's partial sums of a K split, finished in the kernel: added atomically into a float32
     workspace; the program that adds the last split of its tile writes y in y's dtype and zeroes the
     workspace and its counter for the next call. One launch instead of a memset, the kernel and a cast."""
     tl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
-    tl.debug_barrier()  # all the program's sums are in before the count is (one thread releases the count)
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if done == splits - 1:
-        total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where the sums were added
-        # Threads holding the same element (a replicated layout) all read it before any clears it.
-        tl.debug_barrier()
-        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
-        tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
-        tl.store(counter_ptr, 0)
+    if _last_split(counter_ptr, splits):
+        tl.store(y_ptrs, _take_sums(ws_ptrs, mask).to(y_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit

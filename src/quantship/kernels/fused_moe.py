@@ -129,11 +129,30 @@ def _pointers(w: ExpertWeights) -> tuple:
     return w.weight, w.weight if w.scale is None else w.scale, w.weight if w.zero is None else w.zero
 
 
+# K splits of decode blocks (16 rows): at batch 1 a layer's six to eight experts give about one program
+# per multiprocessor, each streaming its expert's whole K alone (V2-Lite W4A16: 0.3 TB/s in gate/up). A
+# split finishes in the kernel (wna16's workspace: no memset, no cast). 1: none. The split with partial
+# sums added into a zeroed float32 output and cast after measured 3-12% slower at batch 1 on the H200;
+# finished in the kernel it is not measured yet (moe_decode_layer.py --split-k, engine_throughput.py
+# quick --moe-split-k), so it stays off.
+DECODE_SPLIT_K = 1
+
+
+def _k_split(k: int, block_k: int, split_k: int, device: torch.device, sums: int, tiles: int):
+    """(inputs per split, splits, workspace or None) for one of the two launches; no split where the
+    workspace cannot be had (growing it during CUDA-graph capture)."""
+    per_split, splits = wna16.split_range(k, block_k, split_k)
+    workspace = wna16.split_workspace(device, sums, tiles) if splits > 1 else None
+    if workspace is None:
+        return k, 1, None
+    return per_split, splits, workspace
+
+
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
-              indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
-    """The routed experts' output [N, H] in x's dtype, through the two Triton kernels. (A K split for decode
-    blocks, partial sums added atomically, was measured on the H200 and did not pay: 3-12% slower at batch
-    1, within noise at 32; removed.)"""
+              indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
+              split_k: int | None = None) -> torch.Tensor:
+    """The routed experts' output [N, H] in x's dtype, through the two Triton kernels. `split_k` (decode
+    blocks only; default DECODE_SPLIT_K) splits each block's K over that many programs."""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_down_kernel, moe_gate_up_kernel
@@ -149,14 +168,20 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     block_n = block_n or (DECODE_BLOCK_N if gate.bits and block_m <= 16 else BLOCK_N)
     tiles_gate, tiles_down = triton.cdiv(inter, block_n), triton.cdiv(hidden, block_n)
 
+    split_k = (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1
+
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    moe_gate_up_kernel[(blocks, tiles_gate)](
-        x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, slots, num_experts, hidden, inter,
-        top_k, max(gate.group_size, 1), BITS=gate.bits, HAS_ZERO=gate.zero is not None,
-        SPANS=_spans(gate, k_gate), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_gate)
+    per_split, splits, workspace = _k_split(hidden, k_gate, split_k, x.device, 2 * slots * inter, blocks * tiles_gate)
+    moe_gate_up_kernel[(blocks, tiles_gate, splits)](
+        x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, *(workspace or (act, sorted_ids)), slots,
+        num_experts, hidden, inter, top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
+        HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_gate), SPLIT=workspace is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=k_gate)
     out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
-    moe_down_kernel[(blocks, tiles_down)](
-        act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(), slots,
-        num_experts, hidden, inter, max(down.group_size, 1), BITS=down.bits, HAS_ZERO=down.zero is not None,
-        SPANS=_spans(down, k_down), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
+    per_split, splits, workspace = _k_split(inter, k_down, split_k, x.device, slots * hidden, blocks * tiles_down)
+    moe_down_kernel[(blocks, tiles_down, splits)](
+        act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(),
+        *(workspace or (out, sorted_ids)), slots, num_experts, hidden, inter, max(down.group_size, 1), per_split,
+        BITS=down.bits, HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_down), SPLIT=workspace is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
     return out.view(n, top_k, hidden).sum(1).to(x.dtype)
