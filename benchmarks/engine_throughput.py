@@ -376,9 +376,20 @@ def run_w4a16(hf, ours, config, batches, prompt_len, new_tokens, bandwidth, agre
             print(agreement, flush=True)
         else:
             agreement = None
+    from quantship.kernels import wna16
+
     return {"rows": rows, "weight_bytes": total, "routed_bytes": routed, "packed_linear_bytes": packed,
-            "allocated_bytes": allocated,
-            "ttft": ttft, "agreement": agreement}
+            "allocated_bytes": allocated, "ttft": ttft, "agreement": agreement,
+            "tinygemm_max_m": wna16.TINYGEMM_MAX_M, "kernel_table": repr(wna16.BLOCKS_BY_M)}
+
+
+def kernels_text(w: dict) -> str:
+    """Which int4 kernels a run's W4A16 Linears took, from what it recorded (runs before the record: the
+    table of their time, tinygemm up to 8 rows)."""
+    tinygemm = w.get("tinygemm_max_m", 8)
+    return ((f"ran PyTorch's tinygemm up to {tinygemm} rows, then " if tinygemm else "ran ")
+            + "the Triton kernel table of the run (one row: a GEMV; up to 64: the swap tile; beyond: dequantize "
+            "+ cuBLAS; kernels.wna16, see the kernel section below)")
 
 
 def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = False) -> dict:
@@ -481,10 +492,7 @@ def w4a16_section(r: dict, label: str) -> list[str]:
              "The same random weights RTN-quantized to W4A16 g128 (symmetric; V2-Lite's dense MLP, whose input "
              "128 does not divide, takes the group fallback `quantize` takes), packed on the GPU, against bf16 in "
              "the same run, both with CUDA graphs captured before timing, median of alternating runs. int4 Linears "
-             + w.get("table_text", "ran PyTorch's tinygemm up to 8 rows, our small tensor-core tile up to 16, our "
-                     "Triton tile up to 64 and dequantize + cuBLAS beyond")
-             + " (the kernel table of the time; see the kernel section below); routed experts run the fused MoE "
-             "kernels.", "",
+             + kernels_text(w) + "; routed experts run the fused MoE kernels.", "",
              table(["batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "W4 roofline tok/s", "of roofline"], rows),
              "", *([w["note"], ""] if w.get("note") else []),
              f"TTFT of a {ttft['bf16']['prompt_len']}-token prompt at batch 1: W4A16 "
@@ -494,7 +502,7 @@ def w4a16_section(r: dict, label: str) -> list[str]:
              f"model against {w['packed_linear_bytes'] / 1e9:.2f} GB of packed values + scales (the same Linears in "
              f"bf16: {(r['weight_bytes'] - (w['weight_bytes'] - w['packed_linear_bytes'])) / 1e9:.1f} GB)."
              + (" The tinygemm decode layout, made on first use, added a second copy of the int4 values of dense "
-                "Linears (the table no longer uses tinygemm)." if w.get("tinygemm_copies", True) else ""), "",
+                "Linears." if w.get("tinygemm_max_m", 8) else ""), "",
              agreement_text(r), ""]
     return parts
 

@@ -39,7 +39,6 @@ MS = [1, 4, 8, 16, 32, 64, 256, 2048]
 # Linear time, so the sweep ranks tiles by what a decode step spends, across N from 4096 to 22016 (the
 # split of K that fills the GPU at N = 4096 adds atomics and a float32 output where N alone would).
 SWEEP_SHAPES = ("fused qkv 12288x4096", "q/o_proj 4096x4096", "gate+up 22016x4096", "down 4096x11008")
-EARLY_SWEEP_SHAPES = ("q/o_proj 4096x4096", "down 4096x11008")  # what runs before "sweep_shapes" swept
 SWEEP_MS = (1, 4, 8, 16, 32, 64, 256)
 GROUP = 128
 
@@ -218,18 +217,17 @@ def run(out: Path, sweep: bool) -> None:
             for blocks, t in times.items():
                 sweeps.setdefault(m, {}).setdefault(blocks, 0.0)
                 sweeps[m][blocks] += t
-    best, ranking = {}, {}
+    ranking = {}
     for m, times in sweeps.items():
         everywhere = {b for b in times if all(b in per_shape.get(m, {}) for per_shape in shape_sweeps)}
         ranked = sorted(((b, t) for b, t in times.items() if b in everywhere), key=lambda kv: kv[1])
-        best[m] = [(repr(b), t) for b, t in ranked[:3]]
         ranking[m] = [(asdict(b), t) for b, t in ranked]
-        print(f"M={m}: best tiles (summed over shapes): {best[m]}")
+        print(f"M={m}: best tiles (summed over shapes): {[(repr(b), t) for b, t in ranked[:3]]}")
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
-              "errors": errors, "rows": rows, "best_tiles": best, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES),
+              "errors": errors, "rows": rows, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES),
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_wna16.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -237,30 +235,38 @@ def run(out: Path, sweep: bool) -> None:
         print(label, "relative error vs float32 reference:", e)
 
 
-def _short(blocks: str) -> str:
-    """A Blocks repr as kind and tiles only (the sweep's JSON keeps the full repr)."""
-    fields = dict(part.split("=") for part in blocks[len("Blocks("):-1].split(", "))
-    kind = fields["kind"].strip("'")
-    if kind == "dequantize":
+def runnable_ranking(r: dict) -> dict:
+    """A --sweep run's candidates per M, fastest first, as Blocks the code can run: a swap tile that had
+    "pairs" on (int4 values made as bf16 pairs, measured slower and removed) is left out; other kernels
+    ignored that field."""
+    from quantship.kernels.wna16 import Blocks
+
+    fields = {f.name for f in dataclasses.fields(Blocks)}
+    return {int(m): [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
+                     if not (b.get("pairs") and b["kind"] == "swap_dot")]
+            for m, items in r["ranking"].items()}
+
+
+def _short(b) -> str:
+    """A Blocks as kind and tiles only."""
+    if b.kind == "dequantize":
         return "dequantize + cuBLAS"
-    split = {"-1": "a K tile per program", "0": "K split to fill the GPU", "1": "K unsplit"}.get(
-        fields["split_k"], f"K split {fields['split_k']}")
-    rows = "" if kind.startswith("gemv") else f"{fields['block_m']} rows x "
-    return f"{kind} {rows}{fields['block_n']} outputs x {fields['block_k']} inputs, {split}"
+    split = {-1: "a K tile per program", 0: "K split to fill the GPU", 1: "K unsplit"}.get(b.split_k,
+                                                                                       f"K split {b.split_k}")
+    rows = "" if b.kind.startswith("gemv") else f"{b.block_m} rows x "
+    return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}"
 
 
 def _layer_rows(r: dict) -> list[list]:
     """Per swept M: one decoder layer's four Linear calls summed (µs), bf16 cuBLAS, tinygemm, the run's
     table, the sweep's fastest tiles (what `adopt` makes the table)."""
     rows = []
-    swept = r.get("sweep_shapes", EARLY_SWEEP_SHAPES)
-    for m, ranked in r["best_tiles"].items():
-        calls = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in swept]
+    for m, ranked in sorted(runnable_ranking(r).items()):
+        calls = [row for row in r["rows"] if row["m"] == m and row["shape"] in r["sweep_shapes"]]
         dense = sum(row["bf16_s"] for row in calls)
         tiny = sum(row.get("tinygemm_s", float("nan")) for row in calls)
         fixed = sum(row["w4a16_s"] for row in calls)
-        # the fastest candidate the code still has (adopted_table's filter)
-        best, t = next(((b, t) for b, t in ranked if not ("pairs=True" in b and "swap_dot" in b)), ranked[0])
+        best, t = ranked[0]
         rows.append([m, f"{dense * 1e6:.1f}", f"{tiny * 1e6:.1f}", f"{fixed * 1e6:.1f}", f"{t * 1e6:.1f}",
                      _short(best), f"{dense / t:.2f}x"])
     return rows
@@ -268,9 +274,9 @@ def _layer_rows(r: dict) -> list[list]:
 
 def _sweep_text(r: dict) -> list[str]:
     """The --sweep's ranking as a table of one layer's Linear time."""
-    if not r.get("best_tiles"):
+    if not r.get("ranking"):
         return ["No tile sweep in this run (`run --sweep` adds one).", ""]
-    swept = r.get("sweep_shapes", EARLY_SWEEP_SHAPES)
+    swept = r["sweep_shapes"]
     return [f"One decoder layer's Linear calls ({', '.join(swept)}) summed, microseconds, same run: bf16 cuBLAS, "
             "PyTorch's tinygemm, the table the run started with, and the fastest tiles of the sweep (`run "
             "--sweep`, every candidate checked against the reference first), which `adopt` wrote into "
@@ -354,15 +360,8 @@ def adopted_table(r: dict):
     calls (at one row also the fastest float32 GEMV, for what the bf16x2 PTX cannot take), the fastest
     dequantize + cuBLAS for M past the last; and the most rows for which tinygemm beat them all (from one
     row up; 0: never)."""
-    from quantship.kernels.wna16 import Blocks
+    ranking = runnable_ranking(r)
 
-    fields = {f.name for f in dataclasses.fields(Blocks)}
-    ranking = {}
-    for m, items in r["ranking"].items():
-        # "pairs" (int4 values made as bf16 pairs in the swap tile, measured slower and removed): a swap
-        # tile that had it on no longer runs here; other kernels ignored it.
-        ranking[int(m)] = [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
-                           if not (b.get("pairs") and b["kind"] == "swap_dot")]
     def canonical(b):  # finish means nothing to dequantize + cuBLAS (no split): the default, whichever ran
         return replace(b, finish=True) if b.kind == "dequantize" else b
 
