@@ -132,7 +132,7 @@ def candidates(m: int):
         return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
             Blocks("swap_dot", 64, bn, bk, 1, 4, 4) for bn in (64, 128) for bk in (128, 256)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
-    # 0: as many splits as fill the GPU for this N (wna16._splits), 1: none (no atomics)
+    # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
     stages = (2, 4) if m <= 16 else (4,)
     out += [Blocks("swap_dot", rows, bn, bk, split, 4, stage) for bn in (64, 128) for bk in (128, 256)

@@ -61,6 +61,16 @@ for bits, zero in ((0, False), (4, False), (4, True), (8, False)):
                  "BLOCK_N": 64, "BLOCK_K": 128 if bits == 4 and block_m == 16 else 64}
         compile(moe.moe_gate_up_kernel, dict(gate_up, gate_ptr=weight_type, up_ptr=weight_type), tiles)
         compile(moe.moe_down_kernel, dict(down, w_ptr=weight_type), tiles)
+gemv_gate_up = {k: v for k, v in gate_up.items() if k not in ("sorted_ids_ptr", "block_expert_ptr", "num_experts")}
+gemv_gate_up = dict(list(gemv_gate_up.items())[:7] + [("indices_ptr", "*i64")] + list(gemv_gate_up.items())[7:])
+gemv_down = {"act_ptr": "*bf16", **experts, "out_ptr": "*bf16", "indices_ptr": "*i64", "routing_ptr": "*fp32",
+             "ws_ptr": "*fp32", "counter_ptr": "*i32", "num_slots": "i32", "H": "i32", "I": "i32",
+             "group_size": "i32", "k_per_split": "i32"}
+for bits, zero, spans in ((4, False, False), (4, True, True), (8, False, False)):  # the slot GEMV, split and not
+    for split in (False, True):
+        tiles = {"BITS": bits, "HAS_ZERO": zero, "SPANS": spans, "SPLIT": split, "BLOCK_N": 256, "BLOCK_K": 64}
+        compile(moe.moe_gemv_gate_up_kernel, gemv_gate_up, tiles)
+        compile(moe.moe_gemv_down_kernel, gemv_down, tiles)
 for experts, chunk in ((64, 64), (256, 16)):  # V2-Lite's and V3's routed experts
     compile(moe.align_kernel, {"indices_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
             "num_slots": "i32", "num_experts": "i32", "capacity": "i32"},
@@ -93,4 +103,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 74
+    assert done.stdout.count(" ok") == 86

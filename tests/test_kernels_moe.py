@@ -154,3 +154,35 @@ def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
     assert torch.allclose(fused, looped, atol=tolerance, rtol=tolerance)
     # On CPU the loop runs (over views of the stack); on CUDA the module itself takes the fused path.
     assert torch.equal(moe.routed(x, weights, indices), fused if device.type == "cuda" else looped)
+
+
+@pytest.mark.parametrize("n,experts,top_k,hidden,inter,quant", [
+    (1, 64, 6, 256, 128, (4, 128, True)),  # V2-Lite's routing at batch 1
+    (2, 64, 8, 256, 192, (4, 64, False)),  # V3's top-8 at batch 2, asymmetric
+    (3, 16, 2, 384, 96, (4, 32, False)),  # GEMV tiles of 64 inputs span groups of 32: scales per word row
+    (1, 8, 3, 256, 128, (8, 128, True)),  # W8A16
+    (2, 8, 2, 96, 48, (4, 96, True)),  # per-channel, K shorter than one tile
+])
+def test_slot_gemv_equals_the_expert_loop_and_the_blocks(n, experts, top_k, hidden, inter, quant):
+    """Packed experts as one GEMV row per slot (decode steps of few slots) equal the loop and the 16-row
+    blocks, with K split (finished in the kernel) and unsplit, twice in a row (the workspace left clear),
+    a batch whose tokens all pick the same experts included."""
+    g = torch.Generator().manual_seed(hidden + 3 * n)
+    x = torch.randn(n, hidden, generator=g).to(DEVICE)
+    gate, up, down = layer_experts(experts, hidden, inter, quant, g)
+    weights, indices = routing(n, experts, top_k, seed=n + 5)
+    for chosen in (indices, indices[:1].expand(n, top_k).contiguous()):
+        expected = fused_moe.reference(x, gate, up, down, weights, chosen)
+        blocks = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=False)
+        for _ in range(2):
+            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=True)
+            assert ((out.float() - expected).norm() / expected.norm()) < 1e-5
+            assert ((out.float() - blocks.float()).norm() / blocks.float().norm()) < 1e-5
+        sums, counters = wna16.split_workspace(x.device, 0, 0)
+        assert not sums.any() and not counters.any()
+
+
+def test_slot_gemv_is_taken_for_decode_steps_of_few_slots_over_packed_experts():
+    assert fused_moe.uses_slot_gemv(6, 64, 4) and fused_moe.uses_slot_gemv(64, 256, 4)
+    assert not fused_moe.uses_slot_gemv(6, 64, 0)  # bf16 experts keep the blocks
+    assert not fused_moe.uses_slot_gemv(192, 64, 4)  # batch 32 of V2-Lite: several slots per expert

@@ -3,7 +3,14 @@
 import triton
 import triton.language as tl
 
-from quantship.kernels._wna16_triton import _last_split, _take_sums, _tile_offset, _tile_values_2d, packed_tile_dot
+from quantship.kernels._wna16_triton import (
+    _last_split,
+    _take_sums,
+    _tile_offset,
+    _tile_values_2d,
+    gemv_tile,
+    packed_tile_dot,
+)
 
 
 @triton.jit
@@ -134,6 +141,90 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
                 tl.store(out_ptr + offsets, _take_sums(ws_ptr + offsets, mask).to(out_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin, k_end, BITS: tl.constexpr,
+               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BN] float32: one row of x times packed expert e's weight [E, ceil(K/P), N], inputs k_begin .. k_end,
+    through the dense GEMV's tile (wna16 gemv_tile)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    word_rows = tl.cdiv(K, PER_WORD)
+    metas = tl.cdiv(K, group_size) * N
+    w_ptr += e * word_rows * N
+    s_ptr += e * metas
+    z_ptr += e * metas
+    r = tl.arange(0, ROWS)
+    if SPANS:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS, HAS_ZERO,
+                        SPANS)
+    if SPANS:
+        out = tl.sum(acc, axis=0)
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
+def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, act_ptr, indices_ptr,
+                            ws_ptr, counter_ptr, num_slots, H, I, TOP_K, group_size, k_per_split, BITS: tl.constexpr,
+                            HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[slot] = silu(x[token] . gate[e]) * (x[token] . up[e]) for packed experts, a program per (slot, BN
+    outputs, K split): each slot is a GEMV row of its own expert, read straight from the routing (no
+    alignment, no 16-row padding). For decode steps whose slots mostly pick different experts, where a
+    16-row tensor-core block holds one real row and a program streams its expert's whole K alone.
+    SPLIT: gate and up sums meet in the float32 workspace [2, slots, I]; the last split applies SiLU."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(indices_ptr + slot).to(tl.int64)  # offsets of large expert stacks pass 2^31
+    x_row = x_ptr + (slot // TOP_K) * H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin, k_end = _k_range(H, k_per_split)
+    gate = _slot_gemv(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end, BITS,
+                      HAS_ZERO, SPANS, BLOCK_N, BLOCK_K)
+    up = _slot_gemv(x_row, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end, BITS, HAS_ZERO,
+                    SPANS, BLOCK_N, BLOCK_K)
+    mask = offs_n < I
+    offsets = slot * I + offs_n
+    if SPLIT:
+        tl.atomic_add(ws_ptr + offsets, gate, mask=mask, sem="relaxed")
+        tl.atomic_add(ws_ptr + num_slots * I + offsets, up, mask=mask, sem="relaxed")
+        if _last_split(counter_ptr + slot * tl.num_programs(1) + pid_n, tl.num_programs(2)):
+            gate = _take_sums(ws_ptr + offsets, mask)
+            up = _take_sums(ws_ptr + num_slots * I + offsets, mask)
+            tl.store(act_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(act_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, routing_ptr, ws_ptr, counter_ptr,
+                         num_slots, H, I, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                         SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot] = routing[slot] * (act[slot] . down[e]), a program per (slot, BN outputs, K split), as the
+    gate/up GEMV (SPLIT: through the workspace [slots, H])."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(indices_ptr + slot).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin, k_end = _k_range(I, k_per_split)
+    acc = _slot_gemv(act_ptr + slot * I, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, k_begin, k_end, BITS,
+                     HAS_ZERO, SPANS, BLOCK_N, BLOCK_K)
+    acc *= tl.load(routing_ptr + slot)
+    mask = offs_n < H
+    offsets = slot * H + offs_n
+    if SPLIT:
+        tl.atomic_add(ws_ptr + offsets, acc, mask=mask, sem="relaxed")
+        if _last_split(counter_ptr + slot * tl.num_programs(1) + pid_n, tl.num_programs(2)):
+            tl.store(out_ptr + offsets, _take_sums(ws_ptr + offsets, mask).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -191,6 +191,24 @@ def _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, splits,
 
 
 @triton.jit
+def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS: tl.constexpr,
+              HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+    """acc plus one K tile of the GEMV: inputs k0 .. k0 + R*P of the row `x_row` points at, times the word
+    rows k0 / P + r of the packed weight at w_ptr (outputs offs_n), on CUDA cores in float32. Shared by
+    the dense GEMV and the fused MoE's per-slot GEMV (there w_ptr is one expert's weight)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size,
+                                     BITS, HAS_ZERO, SPANS)
+    part = tl.zeros((r.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for i in tl.static_range(PER_WORD):
+        k = k0 + r * PER_WORD + i
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        x = x * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
+        part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * x[:, None]
+    return _add_scaled(acc, part, scale, SPANS)
+
+
+@triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                       k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                       FINISH: tl.constexpr, SPANS: tl.constexpr,
@@ -212,15 +230,8 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M,
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
-                                         group_size, BITS, HAS_ZERO, SPANS)
-        part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for i in tl.static_range(PER_WORD):
-            k = k0 + r * PER_WORD + i
-            x = tl.load(x_ptr + row_m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-            x = x * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
-            part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * x[:, None]
-        acc = _add_scaled(acc, part, scale, SPANS)
+        acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K,
+                        group_size, BITS, HAS_ZERO, SPANS)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 

@@ -14,7 +14,9 @@ routing on the host every layer, which stops decode steps from being captured as
 Each projection of all experts is stacked once per layer (`ExpertWeights`): dense [E, out, in] as the
 checkpoint's [out, in] matrices, or W4A16/W8A16 packed [E, in/P, out] int32 with scales [E, G, out]
 (and zero points), the layout of kernels/wna16.py, dequantized in registers by the same tile
-product (wna16 packed_tile_dot: each word loaded once; tiles may span groups). Gate and up are
+product (wna16 packed_tile_dot: each word loaded once; tiles may span groups). A decode step whose
+slots mostly pick different experts skips steps 1-3's blocks for packed experts: each slot is a GEMV
+row of its own expert (the dense GEMV's tile), so no program streams an expert's whole K alone. Gate and up are
 separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
 loop the kernels must equal. The shapes follow vLLM's fused_moe (its sorted-token layout is the
 anchor); the code is ours.
@@ -148,11 +150,62 @@ def _k_split(k: int, block_k: int, split_k: int, device: torch.device, sums: int
     return per_split, splits, workspace
 
 
+# Packed experts of a decode step whose slots mostly pick different experts run as one GEMV row per slot
+# (moe_gemv_*: the dense GEMV's tile and table entry) instead of 16-row tensor-core blocks: up to this many
+# slots per routed expert (V2-Lite: batch 1-2 of 64 experts top-6; V3: up to batch 8 of 256 top-8). A GEMV
+# row reads its expert's weight once per slot, a block once per expert, so past it the blocks read less.
+SLOT_GEMV_MAX_SHARE = 0.25
+
+
+def uses_slot_gemv(slots: int, num_experts: int, bits: int) -> bool:
+    return bits > 0 and slots <= SLOT_GEMV_MAX_SHARE * num_experts
+
+
+def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
+               indices: torch.Tensor) -> torch.Tensor:
+    """fused_moe for a few slots over packed experts: a GEMV program per (slot, output tile, K split),
+    the K split finished in the kernel, with the tiles of wna16's one-row GEMV entry."""
+    import triton
+
+    from quantship.kernels._fused_moe_triton import moe_gemv_down_kernel, moe_gemv_gate_up_kernel
+
+    n, hidden = x.shape
+    inter, top_k = gate.out_features, indices.shape[1]
+    slots = n * top_k
+    blocks = wna16.choose_blocks(1, bf16x2=False)
+    flat = indices.reshape(-1).contiguous()
+    routing = weights.reshape(-1).float().contiguous()
+    x = x.contiguous()
+
+    def launch_shape(k: int, n_out: int, sums: int):
+        tiles = slots * triton.cdiv(n_out, blocks.block_n)
+        per_split, splits = wna16.splits_for(blocks, tiles, k, blocks.block_k)
+        per_split, splits, workspace = _k_split(k, blocks.block_k, splits, x.device, sums, tiles)
+        return (slots, triton.cdiv(n_out, blocks.block_n), splits), per_split, workspace
+
+    common = dict(BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, num_warps=blocks.num_warps,
+                  num_stages=blocks.num_stages)
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    grid, per_split, workspace = launch_shape(hidden, inter, 2 * slots * inter)
+    moe_gemv_gate_up_kernel[grid](
+        x, *_pointers(gate), *_pointers(up), act, flat, *(workspace or (act, flat)), slots, hidden, inter, top_k,
+        max(gate.group_size, 1), per_split, BITS=gate.bits, HAS_ZERO=gate.zero is not None,
+        SPANS=_spans(gate, blocks.block_k), SPLIT=workspace is not None, **common)
+    out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
+    grid, per_split, workspace = launch_shape(inter, hidden, slots * hidden)
+    moe_gemv_down_kernel[grid](
+        act, *_pointers(down), out, flat, routing, *(workspace or (out, flat)), slots, hidden, inter,
+        max(down.group_size, 1), per_split, BITS=down.bits, HAS_ZERO=down.zero is not None,
+        SPANS=_spans(down, blocks.block_k), SPLIT=workspace is not None, **common)
+    return out.view(n, top_k, hidden).sum(1).to(x.dtype)
+
+
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
-              split_k: int | None = None) -> torch.Tensor:
-    """The routed experts' output [N, H] in x's dtype, through the two Triton kernels. `split_k` (decode
-    blocks only; default DECODE_SPLIT_K) splits each block's K over that many programs."""
+              split_k: int | None = None, slot_gemv: bool | None = None) -> torch.Tensor:
+    """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `split_k` (decode
+    blocks only; default DECODE_SPLIT_K) splits each block's K over that many programs; `slot_gemv`
+    (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead of blocks."""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_down_kernel, moe_gate_up_kernel
@@ -160,6 +213,8 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     n, hidden = x.shape
     num_experts, inter, top_k = gate.weight.shape[0], gate.out_features, indices.shape[1]
     slots = n * top_k
+    if gate.bits and (uses_slot_gemv(slots, num_experts, gate.bits) if slot_gemv is None else slot_gemv):
+        return _slot_gemv(x, gate, up, down, weights, indices)
     block_m = block_m_for(slots, num_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
     x = x.contiguous()

@@ -175,7 +175,7 @@ def split_range(k: int, block_k: int, split: int) -> tuple[int, int]:
     return per_split, -(-k // per_split)
 
 
-def _splits(blocks: Blocks, tiles: int, k: int, block_k: int) -> tuple[int, int]:
+def splits_for(blocks: Blocks, tiles: int, k: int, block_k: int) -> tuple[int, int]:
     """(K range per split, number of splits): enough programs to fill the GPU, at least 4 steps each."""
     steps = -(-k // block_k)
     split = steps if blocks.split_k < 0 else blocks.split_k or max(1, min(TARGET_PROGRAMS // tiles, steps // 4))
@@ -317,7 +317,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     gemv = blocks.kind in ("gemv", "gemv_bf16x2")
     rows = m if gemv else triton.cdiv(m, blocks.block_m)
     grid = (triton.cdiv(n, blocks.block_n), rows)
-    per_split, splits = _splits(blocks, grid[0] * grid[1], k, block_k)
+    per_split, splits = splits_for(blocks, grid[0] * grid[1], k, block_k)
     workspace = split_workspace(x.device, m * n, grid[0] * grid[1]) if splits > 1 and blocks.finish else None
     if splits > 1 and workspace is None:  # partial sums added into y itself: zeroed first, cast after
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
