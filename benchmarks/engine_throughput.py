@@ -435,6 +435,19 @@ def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = Fal
     return {"batch": batch, "step_ms": step_s * 1e3, "replay_ms": None if replay_s is None else replay_s * 1e3}
 
 
+def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
+    """Print the kernels of one batch-1 prefill of `prompt_len` tokens by GPU time."""
+    from torch.profiler import ProfilerActivity, profile as profiler
+
+    prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len)).tolist()
+    long = replace(config, max_num_batched_tokens=prompt_len, max_model_len=prompt_len + 8)
+    time_engine(model, prompt, 1, long)
+    with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+        time_engine(model, prompt, 1, long)
+    print(f"{label}: kernels of a {prompt_len}-token prefill", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70), flush=True)
+
+
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "") -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
@@ -456,12 +469,19 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             time_engine(ours, prompts, 4, config)
             runs = [(time_engine(w4, prompts, 64, config), time_engine(ours, prompts, 64, config)) for _ in range(2)]
             t_w4, t_bf16 = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            # The prompts' prefill and first token alone: what of the timed run is not decode steps.
+            first = {name: statistics.median(time_engine(m, prompts, 1, config) for _ in range(3)) * 1e3
+                     for name, m in (("w4a16", w4), ("bf16", ours))}
             rows.append({"batch": batch, "w4a16_tok_s": batch * 64 / t_w4, "bf16_tok_s": batch * 64 / t_bf16,
+                         "first_token_ms": first,
                          "anatomy_w4a16": step_anatomy(w4, config, batch, profile=profile),
                          "anatomy_bf16": step_anatomy(ours, config, batch)})
             print(rows[-1], flush=True)
         ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, None, 2048, config)}
         print(ttft, flush=True)
+        if profile:
+            for label, model in (("w4a16", w4), ("bf16", ours)):
+                prefill_kernels(model, config, 2048, label)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if shape == "coder-6.7b" else f"_{shape}"
     (out / f"engine_quick_gpu{suffix}{tag}.json").write_text(json.dumps(rows + [{"ttft": ttft}], indent=2) + "\n")
@@ -664,6 +684,9 @@ def main() -> None:
     q.add_argument("--profile", action="store_true", help="print the W4A16 graph's kernels by GPU time per batch")
     q.add_argument("--moe-split-k", type=int, default=None,
                    help="K splits of the fused MoE's decode blocks (kernels.fused_moe.DECODE_SPLIT_K) for this run")
+    q.add_argument("--slot-gemv-share", type=float, default=None,
+                   help="packed experts run a GEMV row per slot up to this many slots per expert "
+                        "(kernels.fused_moe.SLOT_GEMV_MAX_SHARE; 0: always the blocks)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -675,6 +698,10 @@ def main() -> None:
             from quantship.kernels import fused_moe
 
             fused_moe.DECODE_SPLIT_K = args.moe_split_k
+        if args.slot_gemv_share is not None:
+            from quantship.kernels import fused_moe
+
+            fused_moe.SLOT_GEMV_MAX_SHARE = args.slot_gemv_share
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)

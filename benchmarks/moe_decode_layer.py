@@ -1,7 +1,7 @@
 """Decode time of one DeepSeek MoE decoder layer (MLA + routed experts) in the engine, against the bytes it must read.
 
 On the GPU machine (DeepSeek-V3's shapes, random bf16 weights, then the same RTN-quantized to W4A16):
-    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT [--split-k 1 4]
+    PYTHONPATH=src python3 benchmarks/moe_decode_layer.py run --shape v3 --out $OUT [--split-k 1 4] [--slot-gemv-share 0 0.25]
 Here, to check the script end to end on a V3-shaped model a few MB large:
     .venv/bin/python benchmarks/moe_decode_layer.py run --shape v3-smoke
 Then here: .venv/bin/python benchmarks/moe_decode_layer.py render
@@ -110,9 +110,10 @@ def layer_bytes(model, batch: int) -> float:
     return read_bytes(weight_bytes(layer), routed_bytes(layer), model.config, batch)
 
 
-def run(shape: str, out: Path, splits: tuple[int, ...] = (1,)) -> None:
+def run(shape: str, out: Path, splits: tuple[int, ...] = (1,), shares: tuple[float, ...] | None = None) -> None:
     """Each scheme at each batch, once per K split of the fused MoE's decode blocks in `splits`
-    (fused_moe.DECODE_SPLIT_K; engines rebuilt so their graphs capture it)."""
+    (fused_moe.DECODE_SPLIT_K) and, for W4A16, once per slot-GEMV share in `shares`
+    (fused_moe.SLOT_GEMV_MAX_SHARE; default the module's); engines rebuilt so their graphs capture it."""
     import engine_throughput
     from engine_throughput import copy_bandwidth, quantized_copy
 
@@ -123,10 +124,14 @@ def run(shape: str, out: Path, splits: tuple[int, ...] = (1,)) -> None:
     quantized = quantized_copy(full)
     variants = [("bf16" if device == "cuda" else "float32", full), ("w4a16", quantized)]
     bandwidth = copy_bandwidth() if device == "cuda" else None
+    shares = shares or (fused_moe.SLOT_GEMV_MAX_SHARE,)
+    # bf16 experts never take the slot GEMV: one run of them per split.
+    runs = [(split, share, scheme, model) for split in splits for scheme, model in variants
+            for share in (shares if scheme == "w4a16" else shares[:1])]
     rows = []
     with torch.inference_mode():
-        for split, (scheme, model) in [(split, variant) for split in splits for variant in variants]:
-            fused_moe.DECODE_SPLIT_K = split
+        for split, share, scheme, model in runs:
+            fused_moe.DECODE_SPLIT_K, fused_moe.SLOT_GEMV_MAX_SHARE = split, share
             engine_throughput._ENGINES.clear()  # graphs captured with the previous split
             short = first_layers(model, 2)
             read = {b: layer_bytes(model, b) for b in BATCHES}  # before any engine makes decode copies
@@ -134,7 +139,9 @@ def run(shape: str, out: Path, splits: tuple[int, ...] = (1,)) -> None:
                 t_full, t_short = step_seconds(model, batch), step_seconds(short, batch)
                 per_layer = (t_full - t_short) / (MOE_LAYERS - 1)
                 row = {"scheme": scheme, "batch": batch, "layer_ms": per_layer * 1e3, "step_ms_full": t_full * 1e3,
-                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch], "split_k": split}
+                       "step_ms_two_layers": t_short * 1e3, "layer_read_bytes": read[batch], "split_k": split,
+                       "slot_gemv": scheme == "w4a16" and fused_moe.uses_slot_gemv(batch * model.config.num_experts_per_tok,
+                                                                                   model.config.n_routed_experts, 4)}
                 if bandwidth:
                     row["roofline_ms"] = read[batch] / bandwidth * 1e3
                     row["of_roofline"] = row["roofline_ms"] / row["layer_ms"]
@@ -152,7 +159,8 @@ def render() -> None:
         return
     r = json.loads(path.read_text())
     write_result(path.stem, r)
-    rows = [[x["scheme"] + (f", K split {x['split_k']}" if x.get("split_k", 1) != 1 else ""), x["batch"],
+    rows = [[x["scheme"] + (f", K split {x['split_k']}" if x.get("split_k", 1) != 1 else "")
+             + (", GEMV per slot" if x.get("slot_gemv") else ""), x["batch"],
              f"{x['layer_ms']:.3f}", f"{x['layer_read_bytes'] / 1e9:.2f}",
              f"{x['roofline_ms']:.3f}", f"{x['of_roofline']:.0%}"] for x in r["rows"]]
     old = RESULTS / "moe_decode_layer_v3_old_moe_tile.json"  # the same run before the decode tile changed
@@ -188,10 +196,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--split-k", type=int, nargs="+", default=[1],
                    help="K splits of the fused MoE's decode blocks to time, each in its own engines (1: none)")
+    p.add_argument("--slot-gemv-share", type=float, nargs="+",
+                   help="W4A16: slot-GEMV shares to time (fused_moe.SLOT_GEMV_MAX_SHARE; 0: always the blocks)")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
-        run(args.shape, args.out, tuple(args.split_k))
+        run(args.shape, args.out, tuple(args.split_k), tuple(args.slot_gemv_share or ()))
     else:
         render()
 

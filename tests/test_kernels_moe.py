@@ -121,8 +121,9 @@ def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hid
         whole = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=1)
         for _ in range(2):
             out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split)
-            assert ((out.float() - expected).norm() / expected.norm()) < 1e-5
-            torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+            # Triton's float32 dot runs in TF32 on the GPU; a split changes only the order of the sums.
+            assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
+            torch.testing.assert_close(out, whole, rtol=1e-5 if DEVICE == "cpu" else 1e-4, atol=1e-5)
         sums, counters = wna16.split_workspace(x.device, 0, 0)
         assert not sums.any() and not counters.any()
 
@@ -185,4 +186,6 @@ def test_slot_gemv_equals_the_expert_loop_and_the_blocks(n, experts, top_k, hidd
 def test_slot_gemv_is_taken_for_decode_steps_of_few_slots_over_packed_experts():
     assert fused_moe.uses_slot_gemv(6, 64, 4) and fused_moe.uses_slot_gemv(64, 256, 4)
     assert not fused_moe.uses_slot_gemv(6, 64, 0)  # bf16 experts keep the blocks
+    assert fused_moe.uses_slot_gemv(48, 64, 4)  # V2-Lite batch 8: the GEMV measured faster than the blocks
+    assert not fused_moe.uses_slot_gemv(96, 64, 4)  # V2-Lite batch 16: the blocks measured faster
     assert not fused_moe.uses_slot_gemv(192, 64, 4)  # batch 32 of V2-Lite: several slots per expert

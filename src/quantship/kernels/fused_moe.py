@@ -152,9 +152,11 @@ def _k_split(k: int, block_k: int, split_k: int, device: torch.device, sums: int
 
 # Packed experts of a decode step whose slots mostly pick different experts run as one GEMV row per slot
 # (moe_gemv_*: the dense GEMV's tile and table entry) instead of 16-row tensor-core blocks: up to this many
-# slots per routed expert (V2-Lite: batch 1-2 of 64 experts top-6; V3: up to batch 8 of 256 top-8). A GEMV
+# slots per routed expert (V2-Lite: batch 1-8 of 64 experts top-6; V3: up to batch 24 of 256 top-8). A GEMV
 # row reads its expert's weight once per slot, a block once per expert, so past it the blocks read less.
-SLOT_GEMV_MAX_SHARE = 0.25
+# Measured on the H200 (kernel_fused_moe.py): the GEMV 3.2x the blocks at V2-Lite batch 1, 1.2x at batch 8
+# (0.75 slots per expert), 0.76x at 16 (1.5); at V3 3.1x at batch 1, 1.03x at 16 (0.5), 0.82x at 32 (1.0).
+SLOT_GEMV_MAX_SHARE = 0.75
 
 
 def uses_slot_gemv(slots: int, num_experts: int, bits: int) -> bool:
@@ -202,10 +204,12 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
-              split_k: int | None = None, slot_gemv: bool | None = None) -> torch.Tensor:
+              split_k: int | None = None, slot_gemv: bool | None = None, block_m: int | None = None,
+              launch: dict | None = None) -> torch.Tensor:
     """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `split_k` (decode
     blocks only; default DECODE_SPLIT_K) splits each block's K over that many programs; `slot_gemv`
-    (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead of blocks."""
+    (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead of blocks. `block_m`
+    (default block_m_for) and `launch` (Triton's num_warps / num_stages) are for tile sweeps."""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_down_kernel, moe_gate_up_kernel
@@ -215,7 +219,7 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     slots = n * top_k
     if gate.bits and (uses_slot_gemv(slots, num_experts, gate.bits) if slot_gemv is None else slot_gemv):
         return _slot_gemv(x, gate, up, down, weights, indices)
-    block_m = block_m_for(slots, num_experts)
+    block_m = block_m or block_m_for(slots, num_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
     x = x.contiguous()
     blocks = block_expert.numel()
@@ -231,12 +235,12 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
         x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, *(workspace or (act, sorted_ids)), slots,
         num_experts, hidden, inter, top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
         HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_gate), SPLIT=workspace is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=k_gate)
+        BLOCK_N=block_n, BLOCK_K=k_gate, **(launch or {}))
     out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
     per_split, splits, workspace = _k_split(inter, k_down, split_k, x.device, slots * hidden, blocks * tiles_down)
     moe_down_kernel[(blocks, tiles_down, splits)](
         act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(),
         *(workspace or (out, sorted_ids)), slots, num_experts, hidden, inter, max(down.group_size, 1), per_split,
         BITS=down.bits, HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_down), SPLIT=workspace is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down, **(launch or {}))
     return out.view(n, top_k, hidden).sum(1).to(x.dtype)
