@@ -131,12 +131,10 @@ def _pointers(w: ExpertWeights) -> tuple:
     return w.weight, w.weight if w.scale is None else w.scale, w.weight if w.zero is None else w.zero
 
 
-# K splits of decode blocks (16 rows): at batch 1 a layer's six to eight experts give about one program
-# per multiprocessor, each streaming its expert's whole K alone (V2-Lite W4A16: 0.3 TB/s in gate/up). A
-# split finishes in the kernel (wna16's workspace: no memset, no cast). 1: none. The split with partial
-# sums added into a zeroed float32 output and cast after measured 3-12% slower at batch 1 on the H200;
-# finished in the kernel it is not measured yet (moe_decode_layer.py --split-k, engine_throughput.py
-# quick --moe-split-k), so it stays off.
+# K splits of decode blocks (16 rows), finished in the kernel (wna16's workspace: no memset, no cast). 1:
+# none. Measured on the H200 (kernel_fused_moe.py): a split of 4 is 1.6-1.9x faster than none where a
+# step's few slots give about one program per multiprocessor, but there the slot GEMV is faster still;
+# from 0.75 slots per expert on, where the blocks are taken, it is 0-7% slower. So it stays off.
 DECODE_SPLIT_K = 1
 
 
