@@ -64,7 +64,7 @@ for bits, zero in ((0, False), (4, False), (4, True), (8, False)):
 gemv_gate_up = {k: v for k, v in gate_up.items() if k not in ("sorted_ids_ptr", "block_expert_ptr", "num_experts")}
 gemv_gate_up = dict(list(gemv_gate_up.items())[:7] + [("indices_ptr", "*i64")] + list(gemv_gate_up.items())[7:])
 gemv_down = {"act_ptr": "*bf16", **experts, "out_ptr": "*bf16", "indices_ptr": "*i64", "routing_ptr": "*fp32",
-             "ws_ptr": "*fp32", "counter_ptr": "*i32", "num_slots": "i32", "H": "i32", "I": "i32",
+             "ws_ptr": "*fp32", "counter_ptr": "*i32", "H": "i32", "I": "i32", "TOP_K": "i32",
              "group_size": "i32", "k_per_split": "i32"}
 for bits, zero, spans in ((4, False, False), (4, True, True), (8, False, False)):  # the slot GEMV, split and not
     for split in (False, True):

@@ -163,8 +163,9 @@ def uses_slot_gemv(slots: int, num_experts: int, bits: int) -> bool:
 
 def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
                indices: torch.Tensor) -> torch.Tensor:
-    """fused_moe for a few slots over packed experts: a GEMV program per (slot, output tile, K split),
-    the K split finished in the kernel, with the tiles of wna16's one-row GEMV entry."""
+    """fused_moe for a few slots over packed experts, with the tiles of wna16's one-row GEMV entry: gate/up
+    a program per (slot, output tile, K split), down a program per (token, output tile, K split) summing
+    the token's slots; K splits finished in the kernel."""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_gemv_down_kernel, moe_gemv_gate_up_kernel
@@ -177,27 +178,27 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     routing = weights.reshape(-1).float().contiguous()
     x = x.contiguous()
 
-    def launch_shape(k: int, n_out: int, sums: int):
-        tiles = slots * triton.cdiv(n_out, blocks.block_n)
+    def launch_shape(rows: int, k: int, n_out: int, sums: int):
+        tiles = rows * triton.cdiv(n_out, blocks.block_n)
         per_split, splits = wna16.splits_for(blocks, tiles, k, blocks.block_k)
         per_split, splits, workspace = _k_split(k, blocks.block_k, splits, x.device, sums, tiles)
-        return (slots, triton.cdiv(n_out, blocks.block_n), splits), per_split, workspace
+        return (rows, triton.cdiv(n_out, blocks.block_n), splits), per_split, workspace
 
     common = dict(BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, num_warps=blocks.num_warps,
                   num_stages=blocks.num_stages)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    grid, per_split, workspace = launch_shape(hidden, inter, 2 * slots * inter)
+    grid, per_split, workspace = launch_shape(slots, hidden, inter, 2 * slots * inter)
     moe_gemv_gate_up_kernel[grid](
         x, *_pointers(gate), *_pointers(up), act, flat, *(workspace or (act, flat)), slots, hidden, inter, top_k,
         max(gate.group_size, 1), per_split, BITS=gate.bits, HAS_ZERO=gate.zero is not None,
         SPANS=_spans(gate, blocks.block_k), SPLIT=workspace is not None, **common)
-    out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
-    grid, per_split, workspace = launch_shape(inter, hidden, slots * hidden)
+    out = torch.empty(n, hidden, device=x.device, dtype=x.dtype)  # a program per token sums its slots
+    grid, per_split, workspace = launch_shape(n, inter, hidden, n * hidden)
     moe_gemv_down_kernel[grid](
-        act, *_pointers(down), out, flat, routing, *(workspace or (out, flat)), slots, hidden, inter,
+        act, *_pointers(down), out, flat, routing, *(workspace or (out, flat)), hidden, inter, top_k,
         max(down.group_size, 1), per_split, BITS=down.bits, HAS_ZERO=down.zero is not None,
         SPANS=_spans(down, blocks.block_k), SPLIT=workspace is not None, **common)
-    return out.view(n, top_k, hidden).sum(1).to(x.dtype)
+    return out
 
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
