@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from quantship.kernels import _elementwise_triton as elementwise, _fused_moe_triton as moe
-from quantship.kernels import _paged_attention_triton as attention, _wna16_triton as wna16
+from quantship.kernels import _paged_attention_triton as attention, _routing_triton as routing
+from quantship.kernels import _wna16_triton as wna16
 
 def compile(fn, signature, constexprs):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
@@ -71,6 +72,11 @@ for bits, zero, spans in ((4, False, False), (4, True, True), (8, False, False))
         tiles = {"BITS": bits, "HAS_ZERO": zero, "SPANS": spans, "SPLIT": split, "BLOCK_N": 256, "BLOCK_K": 64}
         compile(moe.moe_gemv_gate_up_kernel, gemv_gate_up, tiles)
         compile(moe.moe_gemv_down_kernel, gemv_down, tiles)
+for method, sigmoid, groups, group_block, k_block in ((0, False, 1, 64, 8), (1, False, 8, 32, 8), (2, True, 8, 32, 8)):
+    compile(routing.route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+            "indices_ptr": "*i64", "E": "i32", "GROUP_SIZE": "i32", "TOP_K": "i32", "TOPK_GROUP": "i32",
+            "scaling": "fp32"}, {"SIGMOID": sigmoid, "METHOD": method, "NORMALIZE": sigmoid, "HAS_BIAS": sigmoid,
+            "GROUPS": groups, "GROUP_BLOCK": group_block, "K_BLOCK": k_block})
 for experts, chunk in ((64, 64), (256, 16)):  # V2-Lite's and V3's routed experts
     compile(moe.align_kernel, {"indices_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
             "num_slots": "i32", "num_experts": "i32", "capacity": "i32"},
@@ -103,4 +109,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 86
+    assert done.stdout.count(" ok") == 89

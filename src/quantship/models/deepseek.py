@@ -8,6 +8,7 @@ from torch import nn
 
 from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
 from quantship.kernels.fused_moe import ExpertWeights, fused_moe
+from quantship.kernels.routing import Routing, reference_route, route
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
 from quantship.models.paged import PagedBatch, dense_weight
@@ -129,34 +130,24 @@ class Router(nn.Module):
         if c.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
         self.experts, self.top_k = c.n_routed_experts, c.num_experts_per_tok
-        self.method, self.scoring = c.topk_method, c.scoring_func
-        self.n_group, self.topk_group = c.n_group or 1, c.topk_group or 1
-        self.scaling, self.normalize = c.routed_scaling_factor, c.norm_topk_prob
+        self.routing = Routing(c.num_experts_per_tok, c.topk_method, c.scoring_func, c.n_group or 1, c.topk_group or 1,
+                               c.routed_scaling_factor, c.norm_topk_prob)
+        self.weight_f32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] → (weights [N, k] float32, expert indices [N, k])."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores
-        if self.method == "noaux_tc":
-            # The bias only steers which experts are chosen; weights come from the raw scores.
-            choice = scores + self.e_score_correction_bias.float()
-        if self.method != "greedy":
-            grouped = choice.view(-1, self.n_group, self.experts // self.n_group)
-            if self.method == "noaux_tc":
-                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            else:
-                group_scores = grouped.max(dim=-1).values
-            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1)
-            keep = keep.bool()[..., None].expand_as(grouped).reshape(-1, self.experts)
-            choice = choice.masked_fill(~keep, float("-inf") if self.method == "noaux_tc" else 0.0)
-        # The chosen experts' order means nothing (weights are gathered per index); on CUDA an unsorted
-        # top-k skips a sort kernel per layer (4 µs of a 120 µs V2-Lite decode layer on the H200).
-        indices = choice.topk(self.top_k, dim=-1, sorted=x.device.type != "cuda").indices
-        weights = scores.gather(1, indices)
-        if self.normalize and self.top_k > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, indices
+        weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        logits = F.linear(x.float(), weight)
+        bias = getattr(self, "e_score_correction_bias", None)
+        if on_gpu_kernel(x):
+            return route(logits, bias, self.routing)
+        return reference_route(logits, bias, self.routing)
+
+    def hold_float32_weight(self) -> None:
+        """Keep a float32 copy of the router's weight (the serving engine, on CUDA): the logits are float32,
+        and widening a bf16 weight every step is one more kernel per layer."""
+        if self.weight.dtype != torch.float32:
+            self.weight_f32 = self.weight.detach().float()
 
 
 class MoE(nn.Module):
@@ -220,6 +211,7 @@ class MoE(nn.Module):
         Linear then holds a view into the stack: no memory beyond the layer being stacked."""
         if self.fused is None and self.fusable():
             self.fused = tuple(self._stack(name) for name in ("gate_proj", "up_proj", "down_proj"))
+            self.gate.hold_float32_weight()
         return self.fused is not None
 
     def _stack(self, name: str) -> ExpertWeights:
