@@ -7,9 +7,9 @@ Then here: .venv/bin/python benchmarks/kernel_fused_moe.py render
 Each variant is timed as CUDA-graph replays of calls that rotate over 8 random routings (uniform top-k),
 so consecutive calls mostly pick other experts and read them from memory, not from the L2. Variants:
 bf16 experts in blocks; W4A16 g128 experts in blocks (decode blocks of 16 rows with K split 1 and 4,
-prefill blocks of 64 rows with K tiles of 64 and 128); W4A16 as a GEMV row per slot (decode only); and,
-at prefill, the time to dequantize every expert to bf16 once (the Triton dequantize kernel), which
-added to the bf16 row is what dequantize-once-then-bf16 would cost. Every W4A16 variant is checked
+prefill blocks of 64 rows with K tiles of 64 and 128, dequantized in the kernel); W4A16 as a GEMV row per
+slot (decode only); at prefill, W4A16 dequantized once in chunks then the bf16 blocks (the default
+there), and the time to dequantize every expert to bf16 alone (the Triton dequantize kernel). Every W4A16 variant is checked
 against the decode blocks (or the prefill blocks) on the same routing before it is timed.
 """
 
@@ -82,8 +82,9 @@ def time_shape(shape: str) -> list[dict]:
                          "W4A16 blocks, K split 4": (packed, {"split_k": 4, "slot_gemv": False}),
                          "W4A16 GEMV per slot": (packed, {"slot_gemv": True})}
         else:
-            variants |= {"W4A16 blocks, K tile 64": (packed, {"block_k": 64, "slot_gemv": False}),
-                         "W4A16 blocks, K tile 128": (packed, {"block_k": 128, "slot_gemv": False})}
+            variants |= {"W4A16 blocks, K tile 64": (packed, {"block_k": 64, "dequantize": False}),
+                         "W4A16 blocks, K tile 128": (packed, {"block_k": 128, "dequantize": False}),
+                         "W4A16 dequantized once, bf16 blocks": (packed, {"dequantize": True})}
         first = None
         for label, (w, kwargs) in variants.items():
             def call(i, w=w, kwargs=kwargs):
@@ -134,12 +135,13 @@ def sweep_shape(shape: str) -> list[dict]:
         for kind, w in kinds.items():
             if kind == "bf16" and n < 512:
                 continue
-            default = fused_moe.fused_moe(x, *w, *routes[0], slot_gemv=False, split_k=1)
+            fixed = {"slot_gemv": False, "split_k": 1, "dequantize": False}  # the blocks, as they are
+            default = fused_moe.fused_moe(x, *w, *routes[0], **fixed)
             for block_m, block_n, warps, stages in candidates:
                 tiles = {"block_m": block_m, "block_n": block_n, "launch": {"num_warps": warps, "num_stages": stages}}
 
                 def call(i, w=w, tiles=tiles):
-                    return fused_moe.fused_moe(x, *w, *routes[i], slot_gemv=False, split_k=1, **tiles)
+                    return fused_moe.fused_moe(x, *w, *routes[i], **fixed, **tiles)
 
                 try:
                     error = relative(call(0), default)

@@ -99,10 +99,35 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
         cast = [ExpertWeights(w.weight.to(dtype) if w.bits == 0 else w.weight, w.in_features,
                               None if w.scale is None else w.scale.to(dtype), w.zero, w.bits, w.group_size)
                 for w in (gate, up, down)]
-        out = fused_moe.fused_moe(x.to(dtype), *cast, weights, indices)
-        assert out.dtype == dtype and out.shape == x.shape
-        error = (out.float() - expected).norm() / expected.norm()
-        assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, error.item())
+        # prefill-sized steps of packed experts: dequantized once (the default) and in-kernel (64-row blocks)
+        prefill = gate.bits and fused_moe.dequantizes_experts(n * top_k, experts, gate.bits)
+        for dequantize in (None, False) if prefill else (None,):
+            out = fused_moe.fused_moe(x.to(dtype), *cast, weights, indices, dequantize=dequantize)
+            assert out.dtype == dtype and out.shape == x.shape
+            error = (out.float() - expected).norm() / expected.norm()
+            assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, dequantize, error.item())
+
+
+@pytest.mark.parametrize("quant", [(4, 32, False), (4, 128, True), (8, 64, False)])
+def test_packed_experts_dequantized_in_chunks_equal_the_loop(monkeypatch, quant):
+    """A prefill step over packed experts, dequantized a few experts at a time (the budget shrunk so that
+    gate/up and down each take several chunks, one of them short): every slot is computed once, by its
+    expert's chunk, and the result equals the loop and the in-kernel blocks."""
+    n, experts, top_k, hidden, inter = 150, 5, 2, 256, 96
+    per_expert = 2 * hidden * inter * 4  # float32 gate + up
+    monkeypatch.setattr(fused_moe, "DEQUANTIZE_BUDGET", 2 * per_expert)  # gate/up: 3 chunks, down: 2
+    assert fused_moe.dequantize_bytes(experts, hidden, inter, 4) == 2 * per_expert
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, hidden, generator=g).to(DEVICE)
+    gate, up, down = layer_experts(experts, hidden, inter, quant, g)
+    weights, indices = routing(n, experts, top_k, seed=5)
+    assert fused_moe.dequantizes_experts(n * top_k, experts, gate.bits) is (n * top_k >= 64 * experts)
+    expected = fused_moe.reference(x, gate, up, down, weights, indices)
+    chunked = fused_moe.fused_moe(x, gate, up, down, weights, indices, dequantize=True)
+    blocks = fused_moe.fused_moe(x, gate, up, down, weights, indices, dequantize=False)
+    tolerance = 1e-5 if DEVICE == "cpu" else 5e-3  # float32 sums in another order (TF32 on the GPU)
+    assert ((chunked - expected).norm() / expected.norm()) < tolerance
+    assert ((chunked - blocks).norm() / blocks.norm()) < tolerance
 
 
 @pytest.mark.parametrize("n,experts,top_k,hidden,inter,quant,split", [

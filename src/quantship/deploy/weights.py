@@ -45,7 +45,8 @@ class WeightMemory:
     description: str
     routed_expert_bytes: int = 0  # of weight_bytes: routed experts (a decode step reads only those chosen)
     embedding_bytes: int = 0  # of weight_bytes: the input embedding (a step reads only its tokens' rows)
-    dequantize_bytes: int = 0  # the largest packed Linear (merged as served) dequantized: a CUDA step's transient
+    dequantize_bytes: int = 0  # the largest packed Linear (merged as served), or chunk of packed routed experts
+    # (fused MoE prefill), dequantized: a CUDA step's transient
 
 
 def _spec_from_group(group: dict) -> Spec:
@@ -197,4 +198,10 @@ def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dty
     merge_projections(layer)  # as the engine runs it: a merged Linear dequantizes whole
     largest = max((m.out_features * m.in_features * dtype.itemsize for n, m in layer.named_modules()
                    if isinstance(m, (PackedLinear, QuantLinear)) and not _routed(n)), default=0)
+    routed = getattr(layer.mlp, "experts", None)
+    if routed and isinstance(routed[0].gate_proj, PackedLinear):  # prefill dequantizes them in chunks (fused MoE)
+        from quantship.kernels.fused_moe import dequantize_bytes
+
+        largest = max(largest, dequantize_bytes(len(routed), routed[0].gate_proj.in_features,
+                                                routed[0].gate_proj.out_features, dtype.itemsize))
     return held, copies, experts, largest

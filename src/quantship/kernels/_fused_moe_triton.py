@@ -14,10 +14,15 @@ from quantship.kernels._wna16_triton import (
 
 
 @triton.jit
-def _dense_tile(w_ptr, expert, offs_k, offs_n, K, N):
-    """[BK, BN] float32 tile of one dense expert's weight [E, N, K], transposed (inputs by outputs)."""
+def _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN: tl.constexpr):
+    """[BK, BN] float32 tile of one dense expert's weight, inputs by outputs: the checkpoint's [E, N, K]
+    transposed, or (KN) packed experts dequantized once into [E, K, N]."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    return tl.load(w_ptr + expert * N * K + offs_n[None, :] * K + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
+    if KN:
+        offsets = offs_k[:, None] * N + offs_n[None, :]
+    else:
+        offsets = offs_n[None, :] * K + offs_k[:, None]
+    return tl.load(w_ptr + expert * N * K + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -43,10 +48,10 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
 @triton.jit
 def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size, k_begin, k_end,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
     """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end.
 
-    BITS 0: dense [E, N, K]. BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8
+    BITS 0: dense [E, N, K] (KN: [E, K, N]). BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8
     zero points), through the packed tile product of the plain W4A16/W8A16 kernels."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     PER_WORD: tl.constexpr = 32 // BITS if BITS else 1
@@ -56,7 +61,7 @@ def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, gro
         if BITS == 0:  # static branches: the packed arithmetic is not even compiled for dense experts
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-            acc += tl.dot(a, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N).to(a.dtype), out_dtype=tl.float32)
+            acc += tl.dot(a, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN).to(a.dtype), out_dtype=tl.float32)
         elif BLOCK_M <= 16:  # decode: each word loaded once, one small product per value position
             acc += packed_tile_dot(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas,
                                    z_ptr + expert * metas, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
@@ -79,16 +84,19 @@ def _k_range(K, k_per_split):
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, act_ptr,
-                       sorted_ids_ptr, block_expert_ptr, ws_ptr, counter_ptr, num_slots, num_experts, H, I, TOP_K,
-                       group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       sorted_ids_ptr, block_expert_ptr, ws_ptr, counter_ptr, num_slots, expert_begin, num_experts, H,
+                       I, TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, KN: tl.constexpr):
     """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots. SPLIT: K
     is split over program_id(2); gate and up sums meet in the float32 workspace [2, slots, I] and the
     program adding a tile's last split applies SiLU and the product (wna16's in-kernel finish)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert < num_experts:  # blocks past the last expert's run do nothing
-        e = expert.to(tl.int64)  # offsets of large expert stacks pass 2^31
+    # Blocks past the last expert's run, or of experts outside expert_begin .. num_experts (a pass over a
+    # chunk of dequantized experts), do nothing.
+    if (expert >= expert_begin) & (expert < num_experts):
+        e = (expert - expert_begin).to(tl.int64)  # offsets of large expert stacks pass 2^31
         slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = slot < num_slots
         token = tl.where(valid, slot // TOP_K, 0)
@@ -96,9 +104,9 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
         a_rows = x_ptr + token * H
         k_begin, k_end = _k_range(H, k_per_split)
         gate = _expert_product(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size,
-                               k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+                               k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
         up = _expert_product(a_rows, valid, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end,
-                             BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+                             BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
         mask = valid[:, None] & (offs_n[None, :] < I)
         offsets = slot[:, None] * I + offs_n[None, :]
         if SPLIT:
@@ -116,22 +124,22 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
 
 @triton.jit
 def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, ws_ptr,
-                    counter_ptr, num_slots, num_experts, H, I, group_size, k_per_split, BITS: tl.constexpr,
-                    HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    counter_ptr, num_slots, expert_begin, num_experts, H, I, group_size, k_per_split,
+                    BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
     """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots (SPLIT: as gate/up,
     through the workspace [slots, H])."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert < num_experts:
-        e = expert.to(tl.int64)  # offsets of large expert stacks pass 2^31
+    if (expert >= expert_begin) & (expert < num_experts):
+        e = (expert - expert_begin).to(tl.int64)  # offsets of large expert stacks pass 2^31
         slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = slot < num_slots
         row = tl.where(valid, slot, 0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_begin, k_end = _k_range(I, k_per_split)
         acc = _expert_product(act_ptr + row * I, valid, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, k_begin,
-                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K)
+                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
         acc *= tl.load(routing_ptr + row, mask=valid, other=0.0)[:, None]
         mask = valid[:, None] & (offs_n[None, :] < H)
         offsets = slot[:, None] * H + offs_n[None, :]

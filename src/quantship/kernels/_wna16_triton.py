@@ -440,9 +440,15 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
 @triton.jit
 def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced."""
+    """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced. A third
+    grid axis walks a stack of such weights ([E, K/P, N] packed into [E, K, N]: a layer's experts)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    stack = tl.program_id(2).to(tl.int64)
+    w_ptr += stack * tl.cdiv(K, PER_WORD) * N
+    s_ptr += stack * tl.cdiv(K, group_size) * N
+    z_ptr += stack * tl.cdiv(K, group_size) * N
+    out_ptr += stack * K * N
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     r = tl.arange(0, ROWS)

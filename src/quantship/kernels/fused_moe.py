@@ -201,18 +201,99 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     return out
 
 
+# Packed experts of a step with at least this many slots per expert (prefill) are dequantized once into
+# bf16 stacks and run through the bf16 blocks: the blocks' in-kernel dequantization repeats for every
+# 64-row block of an expert and measured 2.6x (V2-Lite, 2,048 tokens) and 2.0x (V3) the bf16 blocks'
+# time on the H200, dequantizing every expert once 0.7x and 0.8x of it (kernel_fused_moe.py).
+DEQUANTIZE_FROM = 64
+DEQUANTIZE_BUDGET = 1 << 30  # bytes of dequantized experts one pass holds: the experts go in chunks of it
+
+
+def dequantizes_experts(slots: int, num_experts: int, bits: int) -> bool:
+    return bits > 0 and slots >= DEQUANTIZE_FROM * num_experts
+
+
+def dequantize_bytes(num_experts: int, hidden: int, inter: int, itemsize: int) -> int:
+    """The largest buffer of dequantized experts a prefill step holds (the gate+up pass's chunk)."""
+    per_expert = 2 * hidden * inter * itemsize
+    return min(num_experts, max(1, DEQUANTIZE_BUDGET // per_expert)) * per_expert
+
+
+def _expert_chunks(num_experts: int, per_expert: int) -> list[tuple[int, int]]:
+    size = max(1, DEQUANTIZE_BUDGET // per_expert)
+    return [(e, min(e + size, num_experts)) for e in range(0, num_experts, size)]
+
+
+def _dequantized(w: ExpertWeights, begin: int, end: int, dtype: torch.dtype) -> ExpertWeights:
+    """Experts begin .. end of a packed stack as dense [C, in, out] (the blocks read it with KN)."""
+    zero = None if w.zero is None else w.zero[begin:end]
+    dense = wna16.dequantize_transposed(w.weight[begin:end], w.scale[begin:end], zero, w.bits, w.in_features,
+                                        max(w.group_size, 1), dtype)
+    return ExpertWeights(dense, w.in_features)
+
+
+@dataclass
+class _Blocks:
+    """What the gate/up and down launches of one call share: the aligned slots and the tiles."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    slots: int
+    top_k: int
+    block_m: int
+    block_n: int | None
+    block_k: int
+    split_k: int
+    launch: dict
+
+
+def _gate_up(b: _Blocks, x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, act: torch.Tensor,
+             experts: tuple[int, int], kn: bool = False) -> None:
+    """act = SiLU(x gate) * (x up) for the slots of experts experts[0] .. experts[1] (gate/up their stacks)."""
+    import triton
+
+    from quantship.kernels._fused_moe_triton import moe_gate_up_kernel
+
+    hidden, inter, blocks = x.shape[1], act.shape[1], b.block_expert.numel()
+    k_tile = packed_block_k(gate.bits, b.block_m, b.block_k)
+    block_n = b.block_n or (DECODE_BLOCK_N if gate.bits and b.block_m <= 16 else BLOCK_N)
+    tiles = triton.cdiv(inter, block_n)
+    per_split, splits, workspace = _k_split(hidden, k_tile, b.split_k, x.device, 2 * b.slots * inter, blocks * tiles)
+    moe_gate_up_kernel[(blocks, tiles, splits)](
+        x, *_pointers(gate), *_pointers(up), act, b.sorted_ids, b.block_expert, *(workspace or (act, b.sorted_ids)),
+        b.slots, experts[0], experts[1], hidden, inter, b.top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
+        HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch)
+
+
+def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Tensor, out: torch.Tensor,
+          experts: tuple[int, int], kn: bool = False) -> None:
+    """out = routing weight * (act down) for the slots of experts experts[0] .. experts[1]."""
+    import triton
+
+    from quantship.kernels._fused_moe_triton import moe_down_kernel
+
+    inter, hidden, blocks = act.shape[1], out.shape[1], b.block_expert.numel()
+    k_tile = packed_block_k(down.bits, b.block_m, b.block_k)
+    block_n = b.block_n or (DECODE_BLOCK_N if down.bits and b.block_m <= 16 else BLOCK_N)
+    tiles = triton.cdiv(hidden, block_n)
+    per_split, splits, workspace = _k_split(inter, k_tile, b.split_k, act.device, b.slots * hidden, blocks * tiles)
+    moe_down_kernel[(blocks, tiles, splits)](
+        act, *_pointers(down), out, b.sorted_ids, b.block_expert, routing, *(workspace or (out, b.sorted_ids)),
+        b.slots, experts[0], experts[1], hidden, inter, max(down.group_size, 1), per_split, BITS=down.bits,
+        HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch)
+
+
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
               split_k: int | None = None, slot_gemv: bool | None = None, block_m: int | None = None,
-              launch: dict | None = None) -> torch.Tensor:
+              launch: dict | None = None, dequantize: bool | None = None) -> torch.Tensor:
     """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `split_k` (decode
     blocks only; default DECODE_SPLIT_K) splits each block's K over that many programs; `slot_gemv`
-    (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead of blocks. `block_m`
-    (default block_m_for) and `launch` (Triton's num_warps / num_stages) are for tile sweeps."""
-    import triton
-
-    from quantship.kernels._fused_moe_triton import moe_down_kernel, moe_gate_up_kernel
-
+    (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead of blocks; `dequantize`
+    (default: dequantizes_experts) dequantizes packed experts once, in chunks, for the bf16 blocks.
+    `block_m` (default block_m_for) and `launch` (Triton's num_warps / num_stages) are for tile sweeps."""
     n, hidden = x.shape
     num_experts, inter, top_k = gate.weight.shape[0], gate.out_features, indices.shape[1]
     slots = n * top_k
@@ -220,26 +301,20 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
         return _slot_gemv(x, gate, up, down, weights, indices)
     block_m = block_m or block_m_for(slots, num_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
+    b = _Blocks(sorted_ids, block_expert, slots, top_k, block_m, block_n, block_k,
+                (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1, launch or {})
     x = x.contiguous()
-    blocks = block_expert.numel()
-    k_gate, k_down = packed_block_k(gate.bits, block_m, block_k), packed_block_k(down.bits, block_m, block_k)
-    block_n = block_n or (DECODE_BLOCK_N if gate.bits and block_m <= 16 else BLOCK_N)
-    tiles_gate, tiles_down = triton.cdiv(inter, block_n), triton.cdiv(hidden, block_n)
-
-    split_k = (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1
-
+    routing = weights.reshape(-1).float().contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    per_split, splits, workspace = _k_split(hidden, k_gate, split_k, x.device, 2 * slots * inter, blocks * tiles_gate)
-    moe_gate_up_kernel[(blocks, tiles_gate, splits)](
-        x, *_pointers(gate), *_pointers(up), act, sorted_ids, block_expert, *(workspace or (act, sorted_ids)), slots,
-        num_experts, hidden, inter, top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
-        HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_gate), SPLIT=workspace is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=k_gate, **(launch or {}))
     out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
-    per_split, splits, workspace = _k_split(inter, k_down, split_k, x.device, slots * hidden, blocks * tiles_down)
-    moe_down_kernel[(blocks, tiles_down, splits)](
-        act, *_pointers(down), out, sorted_ids, block_expert, weights.reshape(-1).float().contiguous(),
-        *(workspace or (out, sorted_ids)), slots, num_experts, hidden, inter, max(down.group_size, 1), per_split,
-        BITS=down.bits, HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_down), SPLIT=workspace is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_down, **(launch or {}))
+    if gate.bits and (dequantizes_experts(slots, num_experts, gate.bits) if dequantize is None else dequantize):
+        b.split_k = 1
+        for begin, end in _expert_chunks(num_experts, 2 * hidden * inter * x.element_size()):
+            _gate_up(b, x, _dequantized(gate, begin, end, x.dtype), _dequantized(up, begin, end, x.dtype), act,
+                     (begin, end), kn=True)
+        for begin, end in _expert_chunks(num_experts, hidden * inter * x.element_size()):
+            _down(b, act, _dequantized(down, begin, end, x.dtype), routing, out, (begin, end), kn=True)
+    else:
+        _gate_up(b, x, gate, up, act, (0, num_experts))
+        _down(b, act, down, routing, out, (0, num_experts))
     return out.view(n, top_k, hidden).sum(1).to(x.dtype)

@@ -208,16 +208,17 @@ def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.
 def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                           in_features: int, group_size: int, dtype: torch.dtype,
                           blocks: Blocks | None = None) -> torch.Tensor:
-    """The weight transposed, [K, N] in `dtype`, through Triton (one pass: read packed, write dense)."""
+    """The weight transposed, [K, N] in `dtype`, through Triton (one pass: read packed, write dense); a
+    stack of them ([E, K/P, N] packed, [E, G, N] scales: a layer's experts) into [E, K, N]."""
     import triton
 
     from quantship.kernels._wna16_triton import dequantize_kernel
 
     blocks = blocks or BLOCKS_BY_M[-1][1]
-    n, k = packed.shape[1], in_features
+    n, k = packed.shape[-1], in_features
     block_k = _block_k(blocks, k, group_size)
-    out = torch.empty(k, n, dtype=dtype, device=packed.device)
-    grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k))
+    out = torch.empty(*packed.shape[:-2], k, n, dtype=dtype, device=packed.device)
+    grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k), packed.shape[0] if packed.dim() == 3 else 1)
     dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, group_size, BITS=bits,
                             HAS_ZERO=zero is not None, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
                             num_warps=blocks.num_warps)
