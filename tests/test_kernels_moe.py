@@ -202,8 +202,9 @@ def test_slot_gemv_equals_the_expert_loop_and_the_blocks(n, experts, top_k, hidd
         blocks = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=False)
         for _ in range(2):
             out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=True)
-            assert ((out.float() - expected).norm() / expected.norm()) < 1e-5
-            assert ((out.float() - blocks.float()).norm() / blocks.float().norm()) < 1e-5
+            assert ((out.float() - expected).norm() / expected.norm()) < 1e-5  # float32 FMAs, GPU included
+            # the blocks' float32 tensor-core products run in TF32 on the GPU
+            assert ((out.float() - blocks.float()).norm() / blocks.float().norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
         sums, counters = wna16.split_workspace(x.device, 0, 0)
         assert not sums.any() and not counters.any()
 
