@@ -569,7 +569,8 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
     "": {"the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"27 layers, routing in one kernel, slot GEMV to 0.75 slots per expert (the code now)": "_router",
+    "_v2-lite": {"27 layers, the code now: routing in one kernel, slot GEMV to 0.75 slots per expert, packed experts "
+                 "dequantized once in prefill": "_router",
                  "27 layers, slot GEMV to 0.25 slots per expert": "_slot_gemv",
                  "27 layers, the same, its profiled run": "_prefill_profile",
                  "27 layers, before the slot GEMV (blocks only)": "_final",
@@ -675,7 +676,7 @@ def render() -> None:
         parts += [f"Greedy agreement on a trained model ({a['model']}, bf16, {a['device']}; "
                   "`engine_throughput.py agreement`): W4A16 through the kernels against the same weights through "
                   f"dequantize + F.linear, {a['prompts']} prompts from its held-out text x {a['steps']} steps: "
-                  f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.1%}, identical prefixes "
+                  f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.2%}, identical prefixes "
                   f"{a['identical_prefix_tokens']} tokens. "
                   + (f"Reference: {a['reference']}." if "reference" in a else EARLIER_REFERENCE), ""]
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "

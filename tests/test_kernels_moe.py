@@ -209,6 +209,19 @@ def test_slot_gemv_equals_the_expert_loop_and_the_blocks(n, experts, top_k, hidd
         assert not sums.any() and not counters.any()
 
 
+def test_slot_gemv_without_a_workspace_sums_each_tokens_slots_in_one_program(monkeypatch):
+    """Where the split workspace cannot be had (it would grow during CUDA-graph capture), gate/up runs
+    unsplit and down takes a program per token looping over its slots: the same result."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 256, generator=g).to(DEVICE)
+    gate, up, down = layer_experts(64, 256, 128, (4, 64, False), g)
+    weights, indices = routing(3, 64, 6, seed=9)
+    expected = fused_moe.reference(x, gate, up, down, weights, indices)
+    monkeypatch.setattr(wna16, "split_workspace", lambda *args: None)
+    out = fused_moe.fused_moe(x, gate, up, down, weights, indices, slot_gemv=True)
+    assert ((out.float() - expected).norm() / expected.norm()) < 1e-5
+
+
 def test_slot_gemv_is_taken_for_decode_steps_of_few_slots_over_packed_experts():
     assert fused_moe.uses_slot_gemv(6, 64, 4) and fused_moe.uses_slot_gemv(64, 256, 4)
     assert not fused_moe.uses_slot_gemv(6, 64, 0)  # bf16 experts keep the blocks

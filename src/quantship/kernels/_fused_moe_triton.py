@@ -215,28 +215,36 @@ def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_
 def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, routing_ptr, ws_ptr, counter_ptr, H, I,
                          TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                          SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[token] = sum over the token's slots of routing[slot] * (act[slot] . down[e]), a program per
-    (token, BN outputs, K split) looping over the token's TOP_K slots: the routed sum is written in
-    out's dtype here, not by a reduction and a cast after. SPLIT: through the workspace [tokens, H]."""
-    token = tl.program_id(0)
+    """out[token] = the sum over the token's slots of routing[slot] * (act[slot] . down[e]), written in
+    out's dtype here (no reduction and cast after). SPLIT: a program per (slot, BN outputs, K split), each
+    adding into the float32 workspace [tokens, H]; the program adding a token tile's last part (TOP_K slots
+    x splits) writes it. Else (no workspace to be had) a program per (token, BN outputs) loops over the
+    token's slots."""
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin, k_end = _k_range(I, k_per_split)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        slot = token * TOP_K + j
-        e = tl.load(indices_ptr + slot).to(tl.int64)
-        acc += tl.load(routing_ptr + slot) * _slot_gemv(act_ptr + slot * I, w_ptr, s_ptr, z_ptr, e, offs_n, I, H,
-                                                        group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_N,
-                                                        BLOCK_K)
     mask = offs_n < H
-    offsets = token * H + offs_n
+    k_begin, k_end = _k_range(I, k_per_split)
     if SPLIT:
+        slot = tl.program_id(0)
+        token = slot // TOP_K
+        e = tl.load(indices_ptr + slot).to(tl.int64)
+        acc = tl.load(routing_ptr + slot) * _slot_gemv(act_ptr + slot * I, w_ptr, s_ptr, z_ptr, e, offs_n, I, H,
+                                                       group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_N,
+                                                       BLOCK_K)
+        offsets = token * H + offs_n
         tl.atomic_add(ws_ptr + offsets, acc, mask=mask, sem="relaxed")
-        if _last_split(counter_ptr + token * tl.num_programs(1) + pid_n, tl.num_programs(2)):
+        if _last_split(counter_ptr + token * tl.num_programs(1) + pid_n, TOP_K * tl.num_programs(2)):
             tl.store(out_ptr + offsets, _take_sums(ws_ptr + offsets, mask).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        token = tl.program_id(0)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(TOP_K):
+            slot = token * TOP_K + j
+            e = tl.load(indices_ptr + slot).to(tl.int64)
+            acc += tl.load(routing_ptr + slot) * _slot_gemv(act_ptr + slot * I, w_ptr, s_ptr, z_ptr, e, offs_n, I, H,
+                                                            group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS,
+                                                            BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + token * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -163,9 +163,8 @@ def uses_slot_gemv(slots: int, num_experts: int, bits: int) -> bool:
 
 def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
                indices: torch.Tensor) -> torch.Tensor:
-    """fused_moe for a few slots over packed experts, with the tiles of wna16's one-row GEMV entry: gate/up
-    a program per (slot, output tile, K split), down a program per (token, output tile, K split) summing
-    the token's slots; K splits finished in the kernel."""
+    """fused_moe for a few slots over packed experts, with the tiles of wna16's one-row GEMV entry: a
+    program per (slot, output tile, K split), finished in the kernel (down sums each token's slots there)."""
     import triton
 
     from quantship.kernels._fused_moe_triton import moe_gemv_down_kernel, moe_gemv_gate_up_kernel
@@ -178,23 +177,25 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     routing = weights.reshape(-1).float().contiguous()
     x = x.contiguous()
 
-    def launch_shape(rows: int, k: int, n_out: int, sums: int):
-        tiles = rows * triton.cdiv(n_out, blocks.block_n)
-        per_split, splits = wna16.splits_for(blocks, tiles, k, blocks.block_k)
-        per_split, splits, workspace = _k_split(k, blocks.block_k, splits, x.device, sums, tiles)
-        return (rows, triton.cdiv(n_out, blocks.block_n), splits), per_split, workspace
-
     common = dict(BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, num_warps=blocks.num_warps,
                   num_stages=blocks.num_stages)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    grid, per_split, workspace = launch_shape(slots, hidden, inter, 2 * slots * inter)
-    moe_gemv_gate_up_kernel[grid](
+    tiles = triton.cdiv(inter, blocks.block_n)
+    per_split, splits = wna16.splits_for(blocks, slots * tiles, hidden, blocks.block_k)
+    per_split, splits, workspace = _k_split(hidden, blocks.block_k, splits, x.device, 2 * slots * inter, slots * tiles)
+    moe_gemv_gate_up_kernel[(slots, tiles, splits)](
         x, *_pointers(gate), *_pointers(up), act, flat, *(workspace or (act, flat)), slots, hidden, inter, top_k,
         max(gate.group_size, 1), per_split, BITS=gate.bits, HAS_ZERO=gate.zero is not None,
         SPANS=_spans(gate, blocks.block_k), SPLIT=workspace is not None, **common)
-    out = torch.empty(n, hidden, device=x.device, dtype=x.dtype)  # a program per token sums its slots
-    grid, per_split, workspace = launch_shape(n, inter, hidden, n * hidden)
-    moe_gemv_down_kernel[grid](
+    # down: a program per (slot, tile, K split), the token's slots summed in the workspace (split or not);
+    # without one (growing it during graph capture), a program per (token, tile) looping over its slots.
+    out = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
+    tiles = triton.cdiv(hidden, blocks.block_n)
+    per_split, splits = wna16.splits_for(blocks, slots * tiles, inter, blocks.block_k)
+    workspace = wna16.split_workspace(x.device, n * hidden, n * tiles)
+    if workspace is None:
+        per_split, splits = inter, 1
+    moe_gemv_down_kernel[(slots if workspace else n, tiles, splits)](
         act, *_pointers(down), out, flat, routing, *(workspace or (out, flat)), hidden, inter, top_k,
         max(down.group_size, 1), per_split, BITS=down.bits, HAS_ZERO=down.zero is not None,
         SPANS=_spans(down, blocks.block_k), SPLIT=workspace is not None, **common)
