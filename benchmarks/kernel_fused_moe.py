@@ -185,7 +185,7 @@ def render() -> None:
         earlier = any(x.get("earlier_run") for x in rows)
         text += [f"**{shape}** ({num} experts top-{top_k}, hidden {hidden}, expert intermediate {inter})"
                  + (": an earlier run of the session, before the slot GEMV's down summed each token's slots in "
-                    "one program and before the dequantize-once prefill" if earlier else ""), "",
+                    "the kernel and before the dequantize-once prefill" if earlier else ""), "",
                  table(["tokens", "variant", "µs", "bf16 µs / this"],
                        [[x["tokens"], x["variant"], f"{x['us']:.1f}",
                          "" if x["variant"].startswith(("bf16", "dequantize")) else f"{bf16[x['tokens']] / x['us']:.2f}x"]
