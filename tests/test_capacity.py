@@ -288,3 +288,30 @@ def test_planner_counts_the_largest_quantized_linear_dequantized(shapes):
     assert wna16.dequantizes_from() == 65
     assert small.parts(64, 512)["dequantized_weight"] == served.dequantize_bytes
     assert small.parts(65, 512)["dequantized_weight"] == 2 * served.dequantize_bytes
+
+
+def test_planner_counts_prefill_expert_chunks_and_the_float32_routers_the_engine_holds():
+    """A prefill step dequantizes packed routed experts a chunk at a time (kernels/fused_moe.py): the planner
+    reserves the chunk. Once the engine fuses a model's experts its routers hold float32 weights: the
+    planner counts exactly what the bundled model's routers then hold (on CUDA only; none in float32)."""
+    from quantship.kernels import fused_moe
+
+    config = load_config(TINY_DIR)
+    served = weight_memory(config, "W4A16", torch.bfloat16)
+    chunk = fused_moe.dequantize_bytes(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, 2)
+    assert served.expert_dequantize_bytes == chunk > 0
+    assert weight_memory(config, None, torch.bfloat16).expert_dequantize_bytes == 0  # bf16 experts: none
+    overheads = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,
+                                    find_gpu("H200"), True, 1, chunk)
+    assert overheads.parts(1, 512)["dequantized_weight"] == chunk  # the chunk, in place of the eager Linear
+    assert overheads.parts(65, 512)["dequantized_weight"] == chunk + 1  # plus a graph's dense Linear
+    assert weight_memory(config, "W4A16", torch.float32).router_float32_bytes == 0
+    model = load_model(TINY_DIR, torch.bfloat16)
+    held = 0
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "enable_fused_kernels"):
+            assert layer.mlp.enable_fused_kernels()
+            held += layer.mlp.gate.weight_f32.numel() * layer.mlp.gate.weight_f32.element_size()
+    assert held == served.router_float32_bytes > 0
+    cuda = capacity.plan(capacity.Request(model=str(TINY_DIR), scheme="W4A16", gpu="H200", contexts=[512]))
+    assert cuda.memory["weight_bytes"] == served.weight_bytes + served.router_float32_bytes

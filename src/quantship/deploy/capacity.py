@@ -138,7 +138,8 @@ def plan(req: Request) -> Plan:
     weights = [_weights(path, stamp, s, dtype) for s in _schemes(config)] if req.compare_schemes else []
     served = _weights(path, stamp, req.scheme, dtype)
     per_token = _kv_per_token_per_gpu(config, dtype, req.gpus)
-    per_gpu_weights = math.ceil(served.weight_bytes / req.gpus)
+    # On CUDA the engine also holds each MoE router's weight in float32 (the logits' dtype) once it fuses the experts.
+    per_gpu_weights = math.ceil((served.weight_bytes + (served.router_float32_bytes if cuda else 0)) / req.gpus)
     mem = _memory(req, gpu, per_gpu_weights, cuda)
     plan_ = Plan(model=str(req.model), architecture=config.architecture, device=req.device, gpu=gpu.name,
                  gpus=req.gpus, dtype=str(dtype).replace("torch.", ""), weights=weights, served=served,
@@ -152,7 +153,7 @@ def plan(req: Request) -> Plan:
                              f"{_gb(mem['usable_bytes'])} a process gets of {gpu.name}"
                              + ("; quantize the model or add GPUs" if cuda else ""))
     overheads = _Overheads(config, dtype, req, served.decode_copy_bytes if cuda else 0, gpu, cuda,
-                           served.dequantize_bytes)
+                           served.dequantize_bytes, served.expert_dequantize_bytes if cuda else 0)
     fraction = req.kv_cache_fraction or _recommend_fraction(mem["free_bytes"], overheads, contexts, req, per_token)
     budget = memory.kv_cache_budget(mem["free_bytes"], fraction) if mem["free_bytes"] is not None \
         else memory.CPU_KV_CACHE_BYTES
@@ -234,9 +235,10 @@ def _kv(config: ModelConfig, dtype: torch.dtype, per_token: int) -> dict:
 class _Overheads:
     """Estimated memory besides weights and cache at a batch and context (engine/memory.py's models)."""
 
-    def __init__(self, config, dtype, req: Request, decode_copies: int, gpu: Gpu, cuda: bool, dequantize: int = 0):
+    def __init__(self, config, dtype, req: Request, decode_copies: int, gpu: Gpu, cuda: bool, dequantize: int = 0,
+                 experts: int = 0):
         self.config, self.dtype, self.req, self.copies, self.cuda = config, dtype, req, decode_copies, cuda
-        self.dequantize = dequantize
+        self.dequantize, self.experts = dequantize, experts
         self.slack = int(ALLOCATOR_SLACK * gpu.memory_bytes) if cuda else 0
 
     def parts(self, batch: int, context: int) -> dict[str, int]:
@@ -249,8 +251,10 @@ class _Overheads:
     def _dequantized(self, batch: int) -> int:
         """The largest quantized Linear written out dense by a step (kernels/wna16.py from
         dequantizes_from() rows on; QuantLinear at any size): one for eager prefill chunks, and on CUDA
-        one more held in the graph pool once a decode graph has that many rows."""
-        return self.dequantize * (2 if self.cuda and batch >= wna16.dequantizes_from() else 1)
+        one more held in the graph pool once a decode graph has that many rows. An eager prefill step's
+        chunk of packed routed experts (kernels/fused_moe.py) takes the eager one's place where larger."""
+        pooled = self.dequantize if self.cuda and batch >= wna16.dequantizes_from() else 0
+        return max(self.dequantize, self.experts) + pooled
 
     def __call__(self, batch: int, context: int) -> int:
         return sum(self.parts(batch, context).values())

@@ -53,8 +53,8 @@ def lines(plan: Plan) -> list[str]:
         out.append(row)
     out.append("seqs (engine): what the engine's cache holds at once (more wait or are preempted); seqs (OOM): "
                "where a cache taking all but the estimated overheads (activations at that batch, CUDA graphs, "
-               "int4 decode copies where the kernel table uses tinygemm, a quantized Linear dequantized, allocator "
-               "slack) runs out of memory")
+               "int4 decode copies where the kernel table uses tinygemm, a quantized Linear or a chunk of packed "
+               "experts dequantized, allocator slack) runs out of memory")
     if plan.roofline:
         r = plan.roofline
         out.append(f"roofline   a model, not a measurement: decode step = max(weights and caches read / "

@@ -47,6 +47,8 @@ class WeightMemory:
     embedding_bytes: int = 0  # of weight_bytes: the input embedding (a step reads only its tokens' rows)
     dequantize_bytes: int = 0  # the largest packed Linear (merged as served), or chunk of packed routed experts
     # (fused MoE prefill), dequantized: a CUDA step's transient
+    router_float32_bytes: int = 0  # the MoE routers' float32 weights the engine holds beside them on CUDA
+    expert_dequantize_bytes: int = 0  # packed routed experts a prefill step dequantizes at once (fused MoE)
 
 
 def _spec_from_group(group: dict) -> Spec:
@@ -125,8 +127,8 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
                                  "the checkpoint as stored)")
         scheme = scheme.upper().replace("-", "_")
     assign = _Assigner(config, scheme, source)
-    cache: dict[tuple, tuple[int, int, int, int]] = {}
-    layers_total = copies_total = experts_total = dequantize = 0
+    cache: dict[tuple, tuple[int, int, int, int, int]] = {}
+    layers_total = copies_total = experts_total = dequantize = expert_chunk = 0
     shapes: dict[bool, list[tuple[str, nn.Linear]]] = {}
     for i in range(config.num_hidden_layers):
         kind = config.is_moe_layer(i)
@@ -136,8 +138,8 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
         specs = tuple(assign(f"model.layers.{i}.{name}", linear) for name, linear in shapes[kind])
         if (kind, specs) not in cache:
             cache[(kind, specs)] = _layer_bytes(config, i, specs, dtype)
-        layer, copies, experts, largest = cache[(kind, specs)]
-        dequantize = max(dequantize, largest)
+        layer, copies, experts, largest, chunk = cache[(kind, specs)]
+        dequantize, expert_chunk = max(dequantize, largest), max(expert_chunk, chunk)
         layers_total += layer
         copies_total += copies
         experts_total += experts
@@ -145,9 +147,11 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
         outer = CausalLM(config, layers=[]).to(dtype)
     embedding = 0 if config.tie_word_embeddings else weight_bytes(outer.model.embed_tokens)
     stored = "as stored" if config.raw.get("quantization_config") else UNQUANTIZED
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    routers = moe_layers * config.n_routed_experts * config.hidden_size * 4 if dtype != torch.float32 else 0
     return WeightMemory(scheme or stored, layers_total + weight_bytes(outer),
                         copies_total if dtype == torch.bfloat16 else 0, describe(config, scheme, dtype), experts_total,
-                        embedding, dequantize)
+                        embedding, dequantize, routers, expert_chunk)
 
 
 def active_parameters(config: ModelConfig) -> int:
@@ -174,9 +178,10 @@ def _routed(name: str) -> bool:
     return name.startswith("mlp.experts.")
 
 
-def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(bytes held, int4 decode copies, routed experts' bytes, largest packed Linear dequantized) of one
-    layer as the engine serves it."""
+def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(bytes held, int4 decode copies, routed experts' bytes, largest packed Linear dequantized, chunk of
+    packed routed experts a prefill step dequantizes) of one layer as the engine serves it."""
+    from quantship.kernels.fused_moe import dequantize_bytes
     from quantship.models.causal_lm import build_layer
     from quantship.models.merged import merge_projections
     from quantship.models.quantized import PackedLinear, QuantLinear
@@ -199,9 +204,8 @@ def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dty
     largest = max((m.out_features * m.in_features * dtype.itemsize for n, m in layer.named_modules()
                    if isinstance(m, (PackedLinear, QuantLinear)) and not _routed(n)), default=0)
     routed = getattr(layer.mlp, "experts", None)
-    if routed and isinstance(routed[0].gate_proj, PackedLinear):  # prefill dequantizes them in chunks (fused MoE)
-        from quantship.kernels.fused_moe import dequantize_bytes
-
-        largest = max(largest, dequantize_bytes(len(routed), routed[0].gate_proj.in_features,
-                                                routed[0].gate_proj.out_features, dtype.itemsize))
-    return held, copies, experts, largest
+    chunk = 0
+    if routed and isinstance(routed[0].gate_proj, PackedLinear):
+        gate = routed[0].gate_proj
+        chunk = dequantize_bytes(len(routed), gate.in_features, gate.out_features, dtype.itemsize)
+    return held, copies, experts, largest, chunk
