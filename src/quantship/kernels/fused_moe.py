@@ -14,10 +14,12 @@ routing on the host every layer, which stops decode steps from being captured as
 Each projection of all experts is stacked once per layer (`ExpertWeights`): dense [E, out, in] as the
 checkpoint's [out, in] matrices, or W4A16/W8A16 packed [E, in/P, out] int32 with scales [E, G, out]
 (and zero points), the layout of kernels/wna16.py, dequantized in registers by the same tile
-product (wna16 packed_tile_dot: each word loaded once; tiles may span groups). A decode step whose
-slots mostly pick different experts skips steps 1-3's blocks for packed experts: each slot is a GEMV
-row of its own expert (the dense GEMV's tile), so no program streams an expert's whole K alone. Gate and up are
-separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
+product (wna16 packed_tile_dot: each word loaded once; tiles may span groups). Packed experts take
+two other routes where those blocks measured slow: a decode step whose slots mostly pick different
+experts runs each slot as a GEMV row of its own expert (the dense GEMV's tile; down sums each
+token's slots in the kernel), so no program streams an expert's whole K alone; a prefill step (64+
+slots per expert) dequantizes the experts once, a chunk at a time, for the bf16 blocks. Gate and up
+are separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
 loop the kernels must equal. The shapes follow vLLM's fused_moe (its sorted-token layout is the
 anchor); the code is ours.
 """

@@ -129,7 +129,6 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size))
         if c.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
-        self.experts, self.top_k = c.n_routed_experts, c.num_experts_per_tok
         self.routing = Routing(c.num_experts_per_tok, c.topk_method, c.scoring_func, c.n_group or 1, c.topk_group or 1,
                                c.routed_scaling_factor, c.norm_topk_prob)
         self.weight_f32: torch.Tensor | None = None
