@@ -81,3 +81,18 @@ def test_the_bundled_router_agrees_with_the_kernel():
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     weights, indices = router(x)
     assert torch.equal(indices, expected[1])
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the interpreter's numpy max, on purpose
+def test_route_keeps_indices_in_range_for_nan_scores_and_takes_no_tokens():
+    """A NaN activation must not send the experts' kernels past the stack: every index stays below E."""
+    routing = Routing(2, "noaux_tc", "sigmoid", n_group=2, topk_group=1, normalize=True)
+    logits = torch.randn(3, 8)
+    logits[1] = float("nan")
+    logits = logits.to(DEVICE)
+    bias = torch.zeros(8, device=DEVICE)
+    weights, indices = route(logits, bias, routing)
+    assert ((indices >= 0) & (indices < 8)).all()
+    assert torch.equal(indices[0], reference_route(logits, bias, routing)[1][0])
+    empty = route(logits[:0], bias, routing)
+    assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)

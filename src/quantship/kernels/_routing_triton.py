@@ -58,7 +58,8 @@ def route_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, E, GROUP_SIZE, 
     chosen_w = tl.zeros((K_BLOCK,), dtype=tl.float32)
     chosen_i = tl.zeros((K_BLOCK,), dtype=tl.int64)
     for i in range(TOP_K):
-        idx = _first(choice, tl.max(tl.max(choice, 1), 0), pos, E)
+        # NaN scores (a NaN activation) match nothing: E - 1 then, never an index past the experts
+        idx = tl.minimum(_first(choice, tl.max(tl.max(choice, 1), 0), pos, E), E - 1)
         weight = tl.sum(tl.sum(tl.where(pos == idx, scores, 0.0), 1), 0)
         chosen_w = tl.where(kk == i, weight, chosen_w)
         chosen_i = tl.where(kk == i, idx.to(tl.int64), chosen_i)

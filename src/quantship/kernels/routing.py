@@ -64,6 +64,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, r: Routing) -> tuple[
     from quantship.kernels._routing_triton import route_kernel
 
     n, experts = logits.shape
+    if n == 0:
+        return reference_route(logits, bias, r)
     groups = 1 if r.method == "greedy" else r.n_group
     group_size = experts // groups
     weights = torch.empty(n, r.top_k, dtype=torch.float32, device=logits.device)
