@@ -195,7 +195,7 @@ def render() -> None:
              "unsplit (`DECODE_SPLIT_K` 1: a split of 4 only helps where the GEMV is faster still), and from 64 "
              "slots per expert (prefill) the packed experts are dequantized once, a chunk of experts at a time, "
              "for the bf16 blocks (`DEQUANTIZE_FROM`): at V2-Lite's 2,048 tokens 1.9x faster than the blocks "
-             "that dequantize inside each 64-row tile, 0.72x of bf16. Neither decode path reads near the "
+             "that dequantize inside each 64-row tile, 0.71x of bf16. Neither decode path reads near the "
              "bandwidth at one token (V3: 176 MB of W4A16 experts in 120 µs, 1.5 TB/s)."]
     update_section("kernel_fused_moe", "\n".join(text))
 

@@ -154,7 +154,7 @@ def _k_split(k: int, block_k: int, split_k: int, device: torch.device, sums: int
 # (moe_gemv_*: the dense GEMV's tile and table entry) instead of 16-row tensor-core blocks: up to this many
 # slots per routed expert (V2-Lite: batch 1-8 of 64 experts top-6; V3: up to batch 24 of 256 top-8). A GEMV
 # row reads its expert's weight once per slot, a block once per expert, so past it the blocks read less.
-# Measured on the H200 (kernel_fused_moe.py): the GEMV 3.2x the blocks at V2-Lite batch 1, 1.2x at batch 8
+# Measured on the H200 (kernel_fused_moe.py): the GEMV 3.2-3.8x the blocks at V2-Lite batch 1, 1.2x at batch 8
 # (0.75 slots per expert), 0.76x at 16 (1.5); at V3 3.1x at batch 1, 1.03x at 16 (0.5), 0.82x at 32 (1.0).
 SLOT_GEMV_MAX_SHARE = 0.75
 
