@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import RESULTS, table, update_section, write_result  # noqa: E402
+from _report import RESULTS, table, update_section  # noqa: E402
 
 SHAPES = {  # experts, top-k, hidden, moe_intermediate
     "v2-lite": (64, 6, 2048, 1408),
@@ -165,27 +165,35 @@ def run(out: Path, shapes: list[str], sweep: bool = False) -> None:
             torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"kernel_fused_moe{'_sweep' if sweep else ''}.json").write_text(json.dumps(result, indent=2) + "\n")
+    shapes_tag = "" if sorted(shapes) == sorted(SHAPES) else "_" + "_".join(shapes)
+    (out / f"kernel_fused_moe{'_sweep' if sweep else ''}{shapes_tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+# The runs the section shows, newest first: each shape's table comes from the newest run that has it, with
+# what that run's code lacked against the code now (None: the code now).
+RUNS = {"kernel_fused_moe_v2-lite.json": None,
+        "kernel_fused_moe.json": "an earlier run of this session, before the slot GEMV's down summed each token's "
+                                 "slots in the kernel and before the dequantize-once prefill"}
 
 
 def render() -> None:
-    path = RESULTS / "kernel_fused_moe.json"
-    if not path.exists():
+    runs = {name: json.loads((RESULTS / name).read_text()) for name in RUNS if (RESULTS / name).exists()}
+    if not runs:
         return
-    r = json.loads(path.read_text())
-    write_result(path.stem, r)
+    device = next(iter(runs.values()))["device"]
     text = ["## Fused MoE kernels: one layer's routed experts by token count", "",
-            f"`benchmarks/kernel_fused_moe.py` on {r['device']}: random experts at each shape (bf16, and W4A16 "
+            f"`benchmarks/kernel_fused_moe.py` on {device}: random experts at each shape (bf16, and W4A16 "
             "g128 symmetric), CUDA-graph replays rotating over 8 uniform top-k routings; microseconds per "
             "call, and each W4A16 variant's speed against bf16 blocks at the same token count.", ""]
-    for shape in dict.fromkeys(x["shape"] for x in r["rows"]):
-        rows = [x for x in r["rows"] if x["shape"] == shape]
+    for shape in SHAPES:
+        name = next((n for n, r in runs.items() if any(x["shape"] == shape for x in r["rows"])), None)
+        if name is None:
+            continue
+        rows = [x for x in runs[name]["rows"] if x["shape"] == shape]
         bf16 = {x["tokens"]: x["us"] for x in rows if x["variant"] == "bf16 blocks"}
         num, top_k, hidden, inter = SHAPES[shape]
-        earlier = any(x.get("earlier_run") for x in rows)
         text += [f"**{shape}** ({num} experts top-{top_k}, hidden {hidden}, expert intermediate {inter})"
-                 + (": an earlier run of the session, before the slot GEMV's down summed each token's slots in "
-                    "the kernel and before the dequantize-once prefill" if earlier else ""), "",
+                 + (f": {RUNS[name]}" if RUNS[name] else ""), "",
                  table(["tokens", "variant", "µs", "bf16 µs / this"],
                        [[x["tokens"], x["variant"], f"{x['us']:.1f}",
                          "" if x["variant"].startswith(("bf16", "dequantize")) else f"{bf16[x['tokens']] / x['us']:.2f}x"]
@@ -194,7 +202,7 @@ def render() -> None:
              "expert (`fused_moe.SLOT_GEMV_MAX_SHARE`: V2-Lite to 8 tokens, V3 to 24), the 16-row blocks beyond, "
              "unsplit (`DECODE_SPLIT_K` 1: a split of 4 only helps where the GEMV is faster still), and from 64 "
              "slots per expert (prefill) the packed experts are dequantized once, a chunk of experts at a time, "
-             "for the bf16 blocks (`DEQUANTIZE_FROM`): at V2-Lite's 2,048 tokens 1.9x faster than the blocks "
+             "for the bf16 blocks (`dequantizes_experts`): at V2-Lite's 2,048 tokens 1.9x faster than the blocks "
              "that dequantize inside each 64-row tile, 0.71x of bf16. Neither decode path reads near the "
              "bandwidth at one token (V3: 176 MB of W4A16 experts in 120 µs, 1.5 TB/s)."]
     update_section("kernel_fused_moe", "\n".join(text))

@@ -177,7 +177,9 @@ def render() -> None:
             f"roofline = those bytes / copy bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s, same run).", "",
             table(["weights", "batch", "ms per MoE layer", "GB read", "roofline ms", "of roofline"], rows), "",
             "At batch 1 the W4A16 layer's eight routed experts run as a GEMV row per slot (`fused_moe`'s slot "
-            "GEMV, rows \"GEMV per slot\"): 1.9x faster than the bf16 layer, where the 16-row blocks of the earlier "
+            "GEMV, rows \"GEMV per slot\"; in this run its down kernel looped over each token's slots in one program, "
+            "since replaced by a program per slot, which halved that kernel's time at V2-Lite's shape): 1.9x faster "
+            "than the bf16 layer, where the 16-row blocks of the earlier "
             "run were no faster than bf16 (each working program streamed its expert's whole K alone). At batch 32 "
             "(about 1 slot per expert) the blocks stay: 1.2x faster than bf16. Neither W4A16 row reads more than "
             "30% of its roofline: what is left at batch 1 is the layer's MLA and shared-expert GEMVs and small "

@@ -306,6 +306,8 @@ def test_planner_counts_prefill_expert_chunks_and_the_float32_routers_the_engine
     assert overheads.parts(1, 512)["dequantized_weight"] == chunk  # the chunk, in place of the eager Linear
     assert overheads.parts(65, 512)["dequantized_weight"] == chunk + 1  # plus a graph's dense Linear
     assert weight_memory(config, "W4A16", torch.float32).router_float32_bytes == 0
+    w8a8 = weight_memory(config, "W8A8", torch.bfloat16)  # experts the fused kernels do not take: neither
+    assert w8a8.router_float32_bytes == 0 and w8a8.expert_dequantize_bytes == 0
     model = load_model(TINY_DIR, torch.bfloat16)
     held = 0
     for layer in model.model.layers:

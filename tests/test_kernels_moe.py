@@ -113,7 +113,7 @@ def test_packed_experts_dequantized_in_chunks_equal_the_loop(monkeypatch, quant)
     """A prefill step over packed experts, dequantized a few experts at a time (the budget shrunk so that
     gate/up and down each take several chunks, one of them short): every slot is computed once, by its
     expert's chunk, and the result equals the loop and the in-kernel blocks."""
-    n, experts, top_k, hidden, inter = 150, 5, 2, 256, 96
+    n, experts, top_k, hidden, inter = 170, 5, 2, 256, 96  # 68 slots per expert: prefill blocks
     per_expert = 2 * hidden * inter * 4  # float32 gate + up
     monkeypatch.setattr(fused_moe, "DEQUANTIZE_BUDGET", 2 * per_expert)  # gate/up: 3 chunks, down: 2
     assert fused_moe.dequantize_bytes(experts, hidden, inter, 4) == 2 * per_expert
@@ -121,9 +121,10 @@ def test_packed_experts_dequantized_in_chunks_equal_the_loop(monkeypatch, quant)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
     gate, up, down = layer_experts(experts, hidden, inter, quant, g)
     weights, indices = routing(n, experts, top_k, seed=5)
-    assert fused_moe.dequantizes_experts(n * top_k, experts, gate.bits) is (n * top_k >= 64 * experts)
     expected = fused_moe.reference(x, gate, up, down, weights, indices)
     chunked = fused_moe.fused_moe(x, gate, up, down, weights, indices, dequantize=True)
+    # a prefill-sized step takes this route by default
+    assert torch.equal(fused_moe.fused_moe(x, gate, up, down, weights, indices), chunked)
     blocks = fused_moe.fused_moe(x, gate, up, down, weights, indices, dequantize=False)
     tolerance = 1e-5 if DEVICE == "cpu" else 5e-3  # float32 sums in another order (TF32 on the GPU)
     assert ((chunked - expected).norm() / expected.norm()) < tolerance

@@ -66,7 +66,7 @@ def test_route_breaks_ties_by_the_lowest_index_and_picks_a_valid_top_k():
 
 def test_the_bundled_router_agrees_with_the_kernel():
     """The bundled model's router (V3's noaux_tc): the kernel and the torch routing of its logits choose
-    the same experts with the same weights, and its forward (the kernel on a GPU) chooses them too."""
+    the same experts with the same weights, and on a GPU its forward (the kernel) chooses them too."""
     from quantship.models.bundled import TINY_DIR
     from quantship.models.loader import load_model
 
@@ -79,8 +79,8 @@ def test_the_bundled_router_agrees_with_the_kernel():
     got = route(logits, router.e_score_correction_bias, router.routing)
     assert torch.equal(got[1], expected[1])
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
-    weights, indices = router(x)
-    assert torch.equal(indices, expected[1])
+    if DEVICE == "cuda":  # where the router's forward takes the kernel (on the CPU it is the reference itself)
+        assert torch.equal(router(x)[1], expected[1])
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the interpreter's numpy max, on purpose

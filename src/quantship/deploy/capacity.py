@@ -236,9 +236,9 @@ class _Overheads:
     """Estimated memory besides weights and cache at a batch and context (engine/memory.py's models)."""
 
     def __init__(self, config, dtype, req: Request, decode_copies: int, gpu: Gpu, cuda: bool, dequantize: int = 0,
-                 experts: int = 0):
+                 expert_chunk: int = 0):
         self.config, self.dtype, self.req, self.copies, self.cuda = config, dtype, req, decode_copies, cuda
-        self.dequantize, self.experts = dequantize, experts
+        self.dequantize, self.expert_chunk = dequantize, expert_chunk
         self.slack = int(ALLOCATOR_SLACK * gpu.memory_bytes) if cuda else 0
 
     def parts(self, batch: int, context: int) -> dict[str, int]:
@@ -254,7 +254,7 @@ class _Overheads:
         one more held in the graph pool once a decode graph has that many rows. An eager prefill step's
         chunk of packed routed experts (kernels/fused_moe.py) takes the eager one's place where larger."""
         pooled = self.dequantize if self.cuda and batch >= wna16.dequantizes_from() else 0
-        return max(self.dequantize, self.experts) + pooled
+        return max(self.dequantize, self.expert_chunk) + pooled
 
     def __call__(self, batch: int, context: int) -> int:
         return sum(self.parts(batch, context).values())

@@ -7,6 +7,7 @@ for the checkpoint as stored (its own quantization_config)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -45,10 +46,9 @@ class WeightMemory:
     description: str
     routed_expert_bytes: int = 0  # of weight_bytes: routed experts (a decode step reads only those chosen)
     embedding_bytes: int = 0  # of weight_bytes: the input embedding (a step reads only its tokens' rows)
-    dequantize_bytes: int = 0  # the largest packed Linear (merged as served), or chunk of packed routed experts
-    # (fused MoE prefill), dequantized: a CUDA step's transient
+    dequantize_bytes: int = 0  # the largest packed Linear (merged as served) dequantized: a CUDA step's transient
     router_float32_bytes: int = 0  # the MoE routers' float32 weights the engine holds beside them on CUDA
-    expert_dequantize_bytes: int = 0  # packed routed experts a prefill step dequantizes at once (fused MoE)
+    expert_dequantize_bytes: int = 0  # packed routed experts a CUDA prefill step dequantizes at once (fused MoE)
 
 
 def _spec_from_group(group: dict) -> Spec:
@@ -127,8 +127,8 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
                                  "the checkpoint as stored)")
         scheme = scheme.upper().replace("-", "_")
     assign = _Assigner(config, scheme, source)
-    cache: dict[tuple, tuple[int, int, int, int, int]] = {}
-    layers_total = copies_total = experts_total = dequantize = expert_chunk = 0
+    cache: dict[tuple, _LayerBytes] = {}
+    layers_total = copies_total = experts_total = dequantize = expert_chunk = routers = 0
     shapes: dict[bool, list[tuple[str, nn.Linear]]] = {}
     for i in range(config.num_hidden_layers):
         kind = config.is_moe_layer(i)
@@ -138,17 +138,16 @@ def weight_memory(config: ModelConfig, scheme: str | None, dtype: torch.dtype, s
         specs = tuple(assign(f"model.layers.{i}.{name}", linear) for name, linear in shapes[kind])
         if (kind, specs) not in cache:
             cache[(kind, specs)] = _layer_bytes(config, i, specs, dtype)
-        layer, copies, experts, largest, chunk = cache[(kind, specs)]
-        dequantize, expert_chunk = max(dequantize, largest), max(expert_chunk, chunk)
-        layers_total += layer
-        copies_total += copies
-        experts_total += experts
+        b = cache[(kind, specs)]
+        dequantize, expert_chunk = max(dequantize, b.largest_dequantized), max(expert_chunk, b.expert_chunk)
+        layers_total += b.held
+        copies_total += b.decode_copies
+        experts_total += b.routed_experts
+        routers += b.router_float32
     with torch.device("meta"):
         outer = CausalLM(config, layers=[]).to(dtype)
     embedding = 0 if config.tie_word_embeddings else weight_bytes(outer.model.embed_tokens)
     stored = "as stored" if config.raw.get("quantization_config") else UNQUANTIZED
-    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-    routers = moe_layers * config.n_routed_experts * config.hidden_size * 4 if dtype != torch.float32 else 0
     return WeightMemory(scheme or stored, layers_total + weight_bytes(outer),
                         copies_total if dtype == torch.bfloat16 else 0, describe(config, scheme, dtype), experts_total,
                         embedding, dequantize, routers, expert_chunk)
@@ -178,9 +177,18 @@ def _routed(name: str) -> bool:
     return name.startswith("mlp.experts.")
 
 
-def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(bytes held, int4 decode copies, routed experts' bytes, largest packed Linear dequantized, chunk of
-    packed routed experts a prefill step dequantizes) of one layer as the engine serves it."""
+class _LayerBytes(NamedTuple):
+    """One layer as the engine serves it."""
+
+    held: int
+    decode_copies: int  # int4 tinygemm copies
+    routed_experts: int  # of held
+    largest_dequantized: int  # the largest packed Linear (merged as served) written out dense
+    expert_chunk: int  # packed routed experts a CUDA prefill step dequantizes at once (fused MoE)
+    router_float32: int  # the router's float32 weight the engine holds beside it once it fuses the experts
+
+
+def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> _LayerBytes:
     from quantship.kernels.fused_moe import dequantize_bytes
     from quantship.models.causal_lm import build_layer
     from quantship.models.merged import merge_projections
@@ -203,9 +211,12 @@ def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dty
     merge_projections(layer)  # as the engine runs it: a merged Linear dequantizes whole
     largest = max((m.out_features * m.in_features * dtype.itemsize for n, m in layer.named_modules()
                    if isinstance(m, (PackedLinear, QuantLinear)) and not _routed(n)), default=0)
-    routed = getattr(layer.mlp, "experts", None)
-    chunk = 0
-    if routed and isinstance(routed[0].gate_proj, PackedLinear):
-        gate = routed[0].gate_proj
-        chunk = dequantize_bytes(len(routed), gate.in_features, gate.out_features, dtype.itemsize)
-    return held, copies, experts, largest, chunk
+    chunk = router = 0
+    mlp = layer.mlp
+    if hasattr(mlp, "fusable") and mlp.fusable():  # what enable_fused_kernels will take (models/deepseek.py)
+        gate = mlp.experts[0].gate_proj
+        if isinstance(gate, PackedLinear):
+            chunk = dequantize_bytes(len(mlp.experts), gate.in_features, gate.out_features, dtype.itemsize)
+        if mlp.gate.weight.dtype != torch.float32:
+            router = mlp.gate.weight.numel() * 4
+    return _LayerBytes(held, copies, experts, largest, chunk, router)

@@ -204,16 +204,15 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     return out
 
 
-# Packed experts of a step with at least this many slots per expert (prefill) are dequantized once into
-# bf16 stacks and run through the bf16 blocks: the blocks' in-kernel dequantization repeats for every
-# 64-row block of an expert and measured 2.6x (V2-Lite, 2,048 tokens) and 2.0x (V3) the bf16 blocks'
-# time on the H200, dequantizing every expert once 0.7x and 0.8x of it (kernel_fused_moe.py).
-DEQUANTIZE_FROM = 64
+# Packed experts of a step that takes the prefill blocks (block_m_for: 64 slots per expert and more) are
+# dequantized once into bf16 stacks and run through the bf16 blocks: the blocks' in-kernel dequantization
+# repeats for every 64-row block of an expert and measured 2.6x (V2-Lite, 2,048 tokens) and 2.0x (V3) the
+# bf16 blocks' time on the H200, dequantizing every expert once 0.7x and 0.8x of it (kernel_fused_moe.py).
 DEQUANTIZE_BUDGET = 1 << 30  # bytes of dequantized experts one pass holds: the experts go in chunks of it
 
 
 def dequantizes_experts(slots: int, num_experts: int, bits: int) -> bool:
-    return bits > 0 and slots >= DEQUANTIZE_FROM * num_experts
+    return bits > 0 and block_m_for(slots, num_experts) > 16
 
 
 def dequantize_bytes(num_experts: int, hidden: int, inter: int, itemsize: int) -> int:
@@ -311,7 +310,6 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
     if gate.bits and (dequantizes_experts(slots, num_experts, gate.bits) if dequantize is None else dequantize):
-        b.split_k = 1
         for begin, end in _expert_chunks(num_experts, 2 * hidden * inter * x.element_size()):
             _gate_up(b, x, _dequantized(gate, begin, end, x.dtype), _dequantized(up, begin, end, x.dtype), act,
                      (begin, end), kn=True)
