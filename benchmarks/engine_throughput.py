@@ -427,7 +427,7 @@ def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = Fal
                     graph.replay()
                 torch.cuda.synchronize()
             print(f"batch {batch}: kernels of 8 graph replays", flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70),
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70),
                   flush=True)
     for i in range(batch):
         engine.abort(f"a{i}")
@@ -714,6 +714,8 @@ def main() -> None:
     q.add_argument("--slot-gemv-share", type=float, default=None,
                    help="packed experts run a GEMV row per slot up to this many slots per expert "
                         "(kernels.fused_moe.SLOT_GEMV_MAX_SHARE; 0: always the blocks)")
+    q.add_argument("--no-fold-shared", action="store_true",
+                   help="keep MoE layers' shared experts a dense MLP of their own (models.deepseek.MoE.fold_shared)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -727,6 +729,10 @@ def main() -> None:
             fused_moe.DECODE_SPLIT_K = args.moe_split_k
         if args.slot_gemv_share is not None:
             fused_moe.SLOT_GEMV_MAX_SHARE = args.slot_gemv_share
+        if args.no_fold_shared:
+            from quantship.models.deepseek import MoE
+
+            MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)

@@ -291,14 +291,17 @@ def test_planner_counts_the_largest_quantized_linear_dequantized(shapes):
 
 
 def test_planner_counts_prefill_expert_chunks_and_the_float32_routers_the_engine_holds():
-    """A prefill step dequantizes packed routed experts a chunk at a time (kernels/fused_moe.py): the planner
-    reserves the chunk. Once the engine fuses a model's experts its routers hold float32 weights: the
-    planner counts exactly what the bundled model's routers then hold (on CUDA only; none in float32)."""
+    """A prefill step dequantizes packed routed experts (and the shared experts folded in with them) a
+    chunk at a time (kernels/fused_moe.py): the planner reserves the chunk. Once the engine fuses a model's
+    experts its routers hold float32 weights: the planner counts exactly what the bundled model's routers
+    then hold (on CUDA only; none in float32)."""
     from quantship.kernels import fused_moe
 
     config = load_config(TINY_DIR)
     served = weight_memory(config, "W4A16", torch.bfloat16)
-    chunk = fused_moe.dequantize_bytes(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, 2)
+    # the engine folds the one shared expert into the stack: its chunk holds that expert too
+    stacked = config.n_routed_experts + config.n_shared_experts
+    chunk = fused_moe.dequantize_bytes(stacked, config.hidden_size, config.moe_intermediate_size, 2)
     assert served.expert_dequantize_bytes == chunk > 0
     assert weight_memory(config, None, torch.bfloat16).expert_dequantize_bytes == 0  # bf16 experts: none
     overheads = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,

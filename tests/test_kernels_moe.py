@@ -229,3 +229,93 @@ def test_slot_gemv_is_taken_for_decode_steps_of_few_slots_over_packed_experts():
     assert fused_moe.uses_slot_gemv(48, 64, 4)  # V2-Lite batch 8: the GEMV measured faster than the blocks
     assert not fused_moe.uses_slot_gemv(96, 64, 4)  # V2-Lite batch 16: the blocks measured faster
     assert not fused_moe.uses_slot_gemv(192, 64, 4)  # batch 32 of V2-Lite: several slots per expert
+
+
+def _moe_layer(shared, hidden=256, inter=128, experts=16, top_k=4, quant=None, shared_quant=None, seed=0):
+    """A DeepSeek-V2-style MoE layer from a fixed seed (softmax greedy top-k), its experts RTN-quantized
+    (bits, group) where asked (the shared experts to shared_quant if given), gate and up of the shared
+    experts merged as the engine merges them."""
+    from quantship.models.config import config_from_dict
+    from quantship.models.deepseek import MoE
+    from quantship.models.merged import merge_projections
+    from quantship.models.quantized import quant_linear
+    from quantship.quant.rtn import rtn_quantize
+    from quantship.quantized_tensor import WeightQuant
+
+    torch.manual_seed(seed)
+    config = config_from_dict(dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=64, hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=inter, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=experts, n_shared_experts=shared, num_experts_per_tok=top_k, topk_method="greedy",
+        first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=64))
+    moe = MoE(config)
+    with torch.no_grad():
+        moe.gate.weight.normal_()
+    if quant is not None:
+        for mlp in [*moe.experts, moe.shared_experts]:
+            bits, group = shared_quant if shared_quant and mlp is moe.shared_experts else quant
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                q = rtn_quantize(getattr(mlp, name).weight.data, WeightQuant(num_bits=bits, group_size=group))
+                setattr(mlp, name, quant_linear(q.values, q.scale.float(), q.zero_point, bits=bits))
+    merge_projections(moe)
+    return moe.to(DEVICE)
+
+
+@pytest.mark.parametrize("shared,quant,n", [
+    (2, None, 3),  # V2-Lite: two shared experts of a routed expert's width each, dense
+    (2, (4, 64), 1),  # packed W4A16 at batch 1: the slot GEMV takes the shared slots too
+    (2, (4, 64), 20),  # 20 tokens: the 16-row blocks
+    (1, (8, 128), 2),  # V3: one shared expert, W8A16
+])
+def test_shared_experts_folded_into_the_stacks_give_the_layers_output(shared, quant, n):
+    """Folded into the routed stacks (a slot of weight 1 per piece, appended by the router), the shared
+    experts give the same layer output as the separate dense MLP, through every route of the kernels, and
+    the layer's weight bytes stay what they were (the stack holds them once)."""
+    from quantship.models.quantized import weight_bytes
+
+    moe = _moe_layer(shared, quant=quant)
+    x = torch.randn(n, 256, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    expected, held = moe(x).float(), weight_bytes(moe)
+    assert moe.foldable_shared() == shared
+    assert moe.enable_fused_kernels()
+    assert moe.folded_shared == shared and moe.shared_experts is None
+    assert moe.fused[0].weight.shape[0] == 16 + shared and weight_bytes(moe) == held
+    weights, indices = moe.gate(x)
+    assert indices.shape == (n, 4 + shared) and (indices[:, 4:] == torch.arange(16, 16 + shared, device=DEVICE)).all()
+    assert (weights[:, 4:] == 1).all()
+    routes = [dict(slot_gemv=False), dict(slot_gemv=True)] if quant and n < 8 else [dict()]
+    for route in routes:
+        out = fused_moe.fused_moe(x, *moe.fused, weights, indices, shared=shared, **route).float()
+        assert ((out - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3), route
+    assert ((moe(x).float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
+
+
+def test_shared_experts_of_another_scheme_stay_a_dense_mlp():
+    """Shared experts quantized with other groups than the routed experts' (128 against 64) are not folded:
+    the layer keeps its own shared MLP and the router its top-k."""
+    moe = _moe_layer(2, quant=(4, 64), shared_quant=(4, 128))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    expected = moe(x)
+    assert moe.foldable_shared() == 0 and moe.enable_fused_kernels()
+    assert moe.folded_shared == 0 and moe.shared_experts is not None
+    assert moe.gate(x)[1].shape == (2, 4)
+    torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_routes_are_chosen_by_the_routed_slots_alone():
+    """V2-Lite at batch 8 (48 routed slots of 64 experts) keeps the slot GEMV with its two shared slots
+    per token folded in: the share that picks the route counts the routed slots and experts only."""
+    calls = []
+    original = fused_moe._slot_gemv
+    try:
+        fused_moe._slot_gemv = lambda *args: calls.append(args[-1].shape) or original(*args)
+        moe = _moe_layer(2, experts=64, top_k=6, inter=64, quant=(4, 64))
+        moe.enable_fused_kernels()
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        weights, indices = moe.gate(x)
+        fused_moe.fused_moe(x, *moe.fused, weights, indices, shared=moe.folded_shared)
+    finally:
+        fused_moe._slot_gemv = original
+    assert calls == [(8, 8)]

@@ -96,3 +96,23 @@ def test_route_keeps_indices_in_range_for_nan_scores_and_takes_no_tokens():
     assert torch.equal(indices[0], reference_route(logits, bias, routing)[1][0])
     empty = route(logits[:0], bias, routing)
     assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)
+
+
+@pytest.mark.parametrize("experts,routing", [ROUTINGS[0], ROUTINGS[2], ROUTINGS[3]])
+@pytest.mark.parametrize("shared", [1, 2])
+def test_route_appends_the_folded_shared_experts_slots(experts, routing, shared):
+    """With shared experts folded into the stacks, every token's top-k is followed by one slot of weight 1
+    per shared piece (experts E, E + 1, ...), in the kernel as in the reference; the top-k is unchanged."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(experts + shared)
+    logits = (torch.randn(5, experts, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE) if routing.method == "noaux_tc" else None
+    folded = replace(routing, shared=shared)
+    plain = reference_route(logits, bias, routing)
+    for weights, indices in (route(logits, bias, folded), reference_route(logits, bias, folded)):
+        assert indices.shape == weights.shape == (5, routing.top_k + shared)
+        assert torch.equal(indices[:, :routing.top_k], plain[1])
+        torch.testing.assert_close(weights[:, :routing.top_k], plain[0], rtol=1e-5, atol=1e-6)
+        assert (indices[:, routing.top_k:] == torch.arange(experts, experts + shared, device=DEVICE)).all()
+        assert (weights[:, routing.top_k:] == 1).all()

@@ -216,7 +216,8 @@ def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dty
     if hasattr(mlp, "fusable") and mlp.fusable():  # what enable_fused_kernels will take (models/deepseek.py)
         gate = mlp.experts[0].gate_proj
         if isinstance(gate, PackedLinear):
-            chunk = dequantize_bytes(len(mlp.experts), gate.in_features, gate.out_features, dtype.itemsize)
+            stacked = len(mlp.experts) + mlp.foldable_shared()  # the shared experts' pieces join the stack
+            chunk = dequantize_bytes(stacked, gate.in_features, gate.out_features, dtype.itemsize)
         if mlp.gate.weight.dtype != torch.float32:
             router = mlp.gate.weight.numel() * 4
     return _LayerBytes(held, copies, experts, largest, chunk, router)

@@ -13,12 +13,13 @@ def _first(values, best, where, none):
 
 
 @triton.jit
-def route_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, E, GROUP_SIZE, TOP_K, TOPK_GROUP, scaling,
+def route_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, E, GROUP_SIZE, TOP_K, TOPK_GROUP, scaling, SHARED,
                  SIGMOID: tl.constexpr, METHOD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GROUPS: tl.constexpr, GROUP_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
     """One token's routing: its E logits as [groups, experts per group] (greedy: one group), scores,
     the kept groups (METHOD 1: by their best score, 2: by the sum of their best two), then TOP_K
-    rounds of taking the best remaining expert, lowest index first among equals."""
+    rounds of taking the best remaining expert, lowest index first among equals; then SHARED slots of
+    weight 1 for the shared experts folded in after the E routed ones (indices E ..)."""
     t = tl.program_id(0)
     g = tl.arange(0, GROUPS)[:, None]
     j = tl.arange(0, GROUP_BLOCK)[None, :]
@@ -66,5 +67,9 @@ def route_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, E, GROUP_SIZE, 
         choice = tl.where(pos == idx, NEG, choice)
     if NORMALIZE:
         chosen_w = chosen_w / (tl.sum(chosen_w, 0) + 1e-20)
-    tl.store(weights_ptr + t * TOP_K + kk, chosen_w * scaling, mask=kk < TOP_K)
-    tl.store(indices_ptr + t * TOP_K + kk, chosen_i, mask=kk < TOP_K)
+    shared = kk >= TOP_K
+    chosen_w = tl.where(shared, 1.0, chosen_w * scaling)
+    chosen_i = tl.where(shared, (E + kk - TOP_K).to(tl.int64), chosen_i)
+    width = TOP_K + SHARED
+    tl.store(weights_ptr + t * width + kk, chosen_w, mask=kk < width)
+    tl.store(indices_ptr + t * width + kk, chosen_i, mask=kk < width)

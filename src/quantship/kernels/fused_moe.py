@@ -290,18 +290,22 @@ def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Ten
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
               split_k: int | None = None, slot_gemv: bool | None = None, block_m: int | None = None,
-              launch: dict | None = None, dequantize: bool | None = None) -> torch.Tensor:
-    """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `split_k` (decode
-    blocks only; default DECODE_SPLIT_K) splits each block's K over that many programs; `slot_gemv`
-    (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead of blocks; `dequantize`
-    (default: dequantizes_experts) dequantizes packed experts once, in chunks, for the bf16 blocks.
-    `block_m` (default block_m_for) and `launch` (Triton's num_warps / num_stages) are for tile sweeps."""
+              launch: dict | None = None, dequantize: bool | None = None, shared: int = 0) -> torch.Tensor:
+    """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `shared`: the last
+    that many experts of the stacks are shared experts folded in, which every token's last `shared`
+    slots pick (routing.Routing.shared); the routes below are chosen by the routed slots alone.
+    `split_k` (decode blocks only; default DECODE_SPLIT_K) splits each block's K over that many
+    programs; `slot_gemv` (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead
+    of blocks; `dequantize` (default: dequantizes_experts) dequantizes packed experts once, in chunks,
+    for the bf16 blocks. `block_m` (default block_m_for) and `launch` (Triton's num_warps / num_stages)
+    are for tile sweeps."""
     n, hidden = x.shape
     num_experts, inter, top_k = gate.weight.shape[0], gate.out_features, indices.shape[1]
     slots = n * top_k
-    if gate.bits and (uses_slot_gemv(slots, num_experts, gate.bits) if slot_gemv is None else slot_gemv):
+    routed_slots, routed_experts = n * (top_k - shared), num_experts - shared
+    if gate.bits and (uses_slot_gemv(routed_slots, routed_experts, gate.bits) if slot_gemv is None else slot_gemv):
         return _slot_gemv(x, gate, up, down, weights, indices)
-    block_m = block_m or block_m_for(slots, num_experts)
+    block_m = block_m or block_m_for(routed_slots, routed_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
     b = _Blocks(sorted_ids, block_expert, slots, top_k, block_m, block_n, block_k,
                 (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1, launch or {})
@@ -309,7 +313,8 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     routing = weights.reshape(-1).float().contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(slots, hidden, device=x.device, dtype=x.dtype)
-    if gate.bits and (dequantizes_experts(slots, num_experts, gate.bits) if dequantize is None else dequantize):
+    if gate.bits and (dequantizes_experts(routed_slots, routed_experts, gate.bits) if dequantize is None
+                      else dequantize):
         for begin, end in _expert_chunks(num_experts, 2 * hidden * inter * x.element_size()):
             _gate_up(b, x, _dequantized(gate, begin, end, x.dtype), _dequantized(up, begin, end, x.dtype), act,
                      (begin, end), kn=True)

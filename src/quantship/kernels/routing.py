@@ -9,6 +9,10 @@ Methods: "greedy" (top-k of all scores), "group_limited_greedy" (V2: the topk_gr
 highest best score; other groups' scores zeroed) and "noaux_tc" (V3: the score correction bias steers
 the choice, groups ranked by the sum of their top two, other groups excluded). Weights are the raw
 scores of the chosen experts, normalized to sum 1 where asked, times routed_scaling_factor.
+
+`shared` appends that many slots to every token after its top-k: experts E .. E + shared - 1 with weight
+1.0. The serving engine folds the shared experts into the routed experts' stacks (models/deepseek.py),
+so the fused kernels run them with the routed ones and add them into the same sum.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ class Routing:
     topk_group: int = 1
     scaling: float = 1.0
     normalize: bool = False
+    shared: int = 0  # slots appended per token for shared experts folded in after the E routed ones
 
 
 def reference_route(logits: torch.Tensor, bias: torch.Tensor | None, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] float32 → (weights [N, k] float32, expert indices [N, k])."""
+    """logits [N, E] float32 → (weights [N, k + shared] float32, expert indices [N, k + shared])."""
     experts = logits.shape[-1]
     scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores
@@ -50,7 +55,13 @@ def reference_route(logits: torch.Tensor, bias: torch.Tensor | None, r: Routing)
     weights = scores.gather(1, indices)
     if r.normalize and r.top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * r.scaling, indices
+    weights = weights * r.scaling
+    if r.shared:
+        n = logits.shape[0]
+        shared = torch.arange(experts, experts + r.shared, device=indices.device).expand(n, r.shared)
+        weights = torch.cat((weights, weights.new_ones(n, r.shared)), dim=1)
+        indices = torch.cat((indices, shared), dim=1)
+    return weights, indices
 
 
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
@@ -68,13 +79,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, r: Routing) -> tuple[
         return reference_route(logits, bias, r)
     groups = 1 if r.method == "greedy" else r.n_group
     group_size = experts // groups
-    weights = torch.empty(n, r.top_k, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(n, r.top_k, dtype=torch.int64, device=logits.device)
+    width = r.top_k + r.shared
+    weights = torch.empty(n, width, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(n, width, dtype=torch.int64, device=logits.device)
     logits = logits.float().contiguous()
     bias = bias.float().contiguous() if bias is not None and r.method == "noaux_tc" else None
     route_kernel[(n,)](logits, logits if bias is None else bias, weights, indices, experts, group_size, r.top_k,
-                       r.topk_group, r.scaling, SIGMOID=r.scoring == "sigmoid", METHOD=METHODS[r.method],
+                       r.topk_group, r.scaling, r.shared, SIGMOID=r.scoring == "sigmoid", METHOD=METHODS[r.method],
                        NORMALIZE=r.normalize and r.top_k > 1, HAS_BIAS=bias is not None,
                        GROUPS=triton.next_power_of_2(groups), GROUP_BLOCK=triton.next_power_of_2(group_size),
-                       K_BLOCK=triton.next_power_of_2(r.top_k), num_warps=1 if experts <= 64 else 2)
+                       K_BLOCK=triton.next_power_of_2(width), num_warps=1 if experts <= 64 else 2)
     return weights, indices

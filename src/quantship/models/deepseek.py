@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
-from quantship.kernels.fused_moe import ExpertWeights, fused_moe
+from quantship.kernels.fused_moe import ExpertWeights, fused_moe, reference
 from quantship.kernels.routing import Routing, reference_route, route
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
@@ -163,6 +165,8 @@ class MoE(nn.Module):
         # The stacked experts once the serving engine turned the fused kernels on (CUDA); the quantizer
         # never does, since its calibration hooks must see every expert's own Linear run.
         self.fused: tuple[ExpertWeights, ExpertWeights, ExpertWeights] | None = None
+        # How many pieces of the shared experts the stacks hold after the routed experts (fold_shared).
+        self.folded_shared = 0
         # Routed token slots per expert, counted on the device only when asked (serve --expert-stats).
         self.expert_tokens: torch.Tensor | None = None
 
@@ -171,7 +175,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
         if self.expert_tokens is not None:  # index_add_, not bincount: no host sync
-            chosen = indices.flatten()
+            chosen = indices[:, :self.gate.routing.top_k].flatten()  # folded shared slots are not counted
             self.expert_tokens.index_add_(0, chosen, torch.ones_like(chosen))
         out = self.routed(flat, weights, indices)
         if self.shared_experts is not None:
@@ -179,8 +183,11 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def routed(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum (with the shared experts' where they are folded into the stacks)."""
         if self.fused is not None and on_gpu_kernel(flat):
-            return fused_moe(flat, *self.fused, weights, indices)
+            return fused_moe(flat, *self.fused, weights, indices, shared=self.folded_shared)
+        if self.folded_shared:  # the shared experts live in the stacks only now
+            return reference(flat, *self.fused, weights, indices).to(flat.dtype)
         out = torch.zeros_like(flat)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
@@ -205,16 +212,60 @@ class MoE(nn.Module):
         schemes = [{(m.bits, m.group_size, m.weight_zero_point is not None) for m in group} for group in projections]
         return all(len(s) == 1 for s in schemes) and schemes[0] == schemes[1]
 
-    def enable_fused_kernels(self) -> bool:
+    fold_shared = True  # enable_fused_kernels' default (benchmarks turn it off to compare)
+
+    def enable_fused_kernels(self, fold_shared: bool | None = None) -> bool:
         """Stack the experts for the fused kernels (the serving engine calls this on CUDA). Each expert's
-        Linear then holds a view into the stack: no memory beyond the layer being stacked."""
+        Linear then holds a view into the stack: no memory beyond the layer being stacked.
+
+        fold_shared: the shared experts, cut into pieces of a routed expert's width, join the stacks
+        after the routed experts and the router appends a slot of weight 1 per piece to every token,
+        so they run in the same two launches and sum in the same kernel; this saves a dense MLP's
+        three launches and an addition per layer, which decode steps of small batches are bound by.
+        Their own Linears are dropped (the stacks hold them; buffers keep them in the weight count)."""
         if self.fused is None and self.fusable():
-            self.fused = tuple(self._stack(name) for name in ("gate_proj", "up_proj", "down_proj"))
+            fold = self.fold_shared if fold_shared is None else fold_shared
+            pieces = self._shared_pieces() if fold else None
+            self.fused = tuple(self._stack(name, pieces) for name in ("gate_proj", "up_proj", "down_proj"))
+            if pieces:
+                self.folded_shared = len(pieces["down_proj"])
+                self.gate.routing = replace(self.gate.routing, shared=self.folded_shared)
+                self.shared_experts = None
             self.gate.hold_float32_weight()
         return self.fused is not None
 
-    def _stack(self, name: str) -> ExpertWeights:
+    def foldable_shared(self) -> int:
+        """How many pieces of the shared experts enable_fused_kernels would fold into the stacks (0: none)."""
+        pieces = self._shared_pieces() if self.fusable() else None
+        return len(pieces["down_proj"]) if pieces else 0
+
+    def _shared_pieces(self) -> dict[str, list[dict[str, torch.Tensor]]] | None:
+        """The shared experts' gate, up and down cut into pieces of a routed expert's width, each as the
+        tensors one expert's Linear holds (attribute name → view), or None where they do not cut:
+        another scheme or dtype than the routed experts, or pieces that would split words or groups."""
+        mlp, first = self.shared_experts, self.experts[0]
+        if mlp is None:
+            return None
+        width, inter = mlp.down_proj.in_features, first.gate_proj.out_features
+        if width % inter:
+            return None
+        merged = getattr(mlp, "merged", None)  # the engine merges gate and up before it fuses
+        sources = {"gate_proj": (merged.linear, 0) if merged else (mlp.gate_proj, 0),
+                   "up_proj": (merged.linear, merged.sizes[0]) if merged else (mlp.up_proj, 0),
+                   "down_proj": (mlp.down_proj, 0)}
+        pieces = {}
+        for name, (linear, offset) in sources.items():
+            along_inputs = name == "down_proj"
+            cut = [_piece(linear, getattr(first, name), offset + j * inter, inter, along_inputs)
+                   for j in range(width // inter)]
+            if any(p is None for p in cut):
+                return None
+            pieces[name] = cut
+        return pieces
+
+    def _stack(self, name: str, shared: dict[str, list[dict[str, torch.Tensor]]] | None = None) -> ExpertWeights:
         linears = [getattr(e, name) for e in self.experts]
+        pieces = shared[name] if shared else []
         first = linears[0]
         if type(first) is nn.Linear:
             fields = {"weight": "weight"}
@@ -225,11 +276,44 @@ class MoE(nn.Module):
         for field, attr in fields.items():
             if getattr(first, attr) is None:
                 continue
-            stacked = torch.stack([getattr(m, attr).data for m in linears])
+            stacked = torch.stack([getattr(m, attr).data for m in linears] + [p[attr] for p in pieces])
             for i, m in enumerate(linears):
                 getattr(m, attr).data = stacked[i]
+            if pieces:  # the folded shared experts, held by the stack alone: counted with the model's weights
+                self.register_buffer(f"shared_{name}_{attr}", stacked[len(linears):], persistent=False)
             setattr(out, field, stacked)
         return out
+
+
+def _piece(linear: nn.Module, like: nn.Module, start: int, size: int, along_inputs: bool) -> dict | None:
+    """Outputs (or inputs) start .. start + size of a shared expert's Linear as the tensors a routed expert's
+    Linear `like` holds, in its layout; None where the two differ in kind, dtype or scheme, or the cut
+    would split a packed word or a quantization group."""
+    if type(linear) is not type(like) or linear.bias is not None:
+        return None
+    if type(linear) is nn.Linear:
+        if linear.weight.dtype != like.weight.dtype:
+            return None
+        w = linear.weight.data
+        return {"weight": w[:, start:start + size] if along_inputs else w[start:start + size]}
+    if not isinstance(linear, PackedLinear) or (linear.bits, linear.weight_scale.dtype) != (
+            like.bits, like.weight_scale.dtype) or (linear.weight_zero_point is None) != (like.weight_zero_point is None):
+        return None
+    tensors = {"weight_packed": linear.weight_packed, "weight_scale": linear.weight_scale,
+               "weight_zero_point": linear.weight_zero_point}
+    if not along_inputs:  # the kernel layout holds an output per column: packed [K/P, N], scales [G, N]
+        if linear.group_size != like.group_size:
+            return None
+        return {k: None if t is None else t[:, start:start + size] for k, t in tensors.items()}
+    per_word, group = 32 // linear.bits, linear.group_size
+    if group != like.group_size or start % group or size % group or start % per_word or size % per_word:
+        return None
+
+    def rows(t: torch.Tensor | None, unit: int) -> torch.Tensor | None:  # packed [K/P, N], scales [K/group, N]
+        return None if t is None else t[start // unit:(start + size) // unit]
+
+    return {"weight_packed": rows(linear.weight_packed, per_word), "weight_scale": rows(linear.weight_scale, group),
+            "weight_zero_point": rows(linear.weight_zero_point, group)}
 
 
 def deepseek_layer(config: ModelConfig, index: int) -> DecoderLayer:
