@@ -78,7 +78,7 @@ for bits, zero, spans in ((4, False, False), (4, True, True), (8, False, False))
 for method, sigmoid, groups, group_block, k_block in ((0, False, 1, 64, 8), (1, False, 8, 32, 8), (2, True, 8, 32, 8)):
     compile(routing.route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
             "indices_ptr": "*i64", "E": "i32", "GROUP_SIZE": "i32", "TOP_K": "i32", "TOPK_GROUP": "i32",
-            "scaling": "fp32"}, {"SIGMOID": sigmoid, "METHOD": method, "NORMALIZE": sigmoid, "HAS_BIAS": sigmoid,
+            "scaling": "fp32", "SHARED": "i32"}, {"SIGMOID": sigmoid, "METHOD": method, "NORMALIZE": sigmoid, "HAS_BIAS": sigmoid,
             "GROUPS": groups, "GROUP_BLOCK": group_block, "K_BLOCK": k_block})
 for experts, chunk in ((64, 64), (256, 16)):  # V2-Lite's and V3's routed experts
     compile(moe.align_kernel, {"indices_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
