@@ -176,6 +176,7 @@ def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, s
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
     from quantship.engine.sampling_params import SamplingParams
+    from quantship.models.deepseek import MoE
     from quantship.models.quantized import PackedLinear
 
     ids = ids or torch.randint(3, vocab, (prompts, 16)).tolist()
@@ -185,12 +186,10 @@ def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, s
                           max_model_len=longest + steps + 16, kv_cache_bytes=8 << 30)
 
     def generate(model, use_kernel: bool) -> list[list[int]]:
-        PackedLinear.use_kernel = use_kernel
+        # the reference runs routed experts one at a time, dequantized (graphs cannot capture that loop's
+        # host reads); shared experts folded into the stacks are experts of that loop too
+        PackedLinear.use_kernel = MoE.use_kernels = use_kernel
         engine = LLMEngine(model, config if use_kernel else replace(config, cuda_graphs=False))
-        if not use_kernel:  # the reference runs routed experts one at a time, dequantized (graphs cannot
-            for module in model.modules():  # capture that loop's host reads); the next engine re-stacks them
-                if getattr(module, "fused", None) is not None:
-                    module.fused = None
         for i, prompt in enumerate(ids):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
         out = {str(i): [] for i in range(prompts)}

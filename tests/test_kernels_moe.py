@@ -304,18 +304,22 @@ def test_shared_experts_of_another_scheme_stay_a_dense_mlp():
     torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_routes_are_chosen_by_the_routed_slots_alone():
-    """V2-Lite at batch 8 (48 routed slots of 64 experts) keeps the slot GEMV with its two shared slots
-    per token folded in: the share that picks the route counts the routed slots and experts only."""
+@pytest.mark.parametrize("tokens, slot_gemv", [(6, True), (8, False)])
+def test_the_slot_gemv_counts_the_folded_shared_slots(tokens, slot_gemv):
+    """The slot GEMV re-reads each folded shared piece once per token: V2-Lite's 64 experts top-6 with
+    two shared pieces keep it at 6 tokens (48 slots of 66 experts) and take the blocks at 8 (64 slots),
+    where its 48 routed slots alone would have kept it; both give the layer's output."""
     calls = []
     original = fused_moe._slot_gemv
     try:
         fused_moe._slot_gemv = lambda *args: calls.append(args[-1].shape) or original(*args)
         moe = _moe_layer(2, experts=64, top_k=6, inter=64, quant=(4, 64))
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        expected = moe(x)
         moe.enable_fused_kernels()
-        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
         weights, indices = moe.gate(x)
-        fused_moe.fused_moe(x, *moe.fused, weights, indices, shared=moe.folded_shared)
+        got = fused_moe.fused_moe(x, *moe.fused, weights, indices, shared=moe.folded_shared)
     finally:
         fused_moe._slot_gemv = original
-    assert calls == [(8, 8)]
+    assert calls == ([(tokens, 8)] if slot_gemv else [])
+    torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)

@@ -9,6 +9,7 @@ from quantship.kernels._wna16_triton import (
     _tile_offset,
     _tile_values_2d,
     gemv_tile,
+    gemv_tile_bf16x2,
     packed_tile_dot,
 )
 
@@ -153,9 +154,10 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
 
 @triton.jit
 def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin, k_end, BITS: tl.constexpr,
-               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """[BN] float32: one row of x times packed expert e's weight [E, ceil(K/P), N], inputs k_begin .. k_end,
-    through the dense GEMV's tile (wna16 gemv_tile)."""
+    through the dense GEMV's tile (wna16 gemv_tile; BF16X2: int4 and bf16 x on a GPU, gemv_tile_bf16x2)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     word_rows = tl.cdiv(K, PER_WORD)
@@ -169,8 +171,12 @@ def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin,
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS, HAS_ZERO,
-                        SPANS)
+        if BF16X2:
+            acc = gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size,
+                                   HAS_ZERO, SPANS)
+        else:
+            acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS,
+                            HAS_ZERO, SPANS)
     if SPANS:
         out = tl.sum(acc, axis=0)
     else:
@@ -181,7 +187,7 @@ def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin,
 @triton.jit
 def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, act_ptr, indices_ptr,
                             ws_ptr, counter_ptr, num_slots, H, I, TOP_K, group_size, k_per_split, BITS: tl.constexpr,
-                            HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr,
+                            HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr, BF16X2: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[slot] = silu(x[token] . gate[e]) * (x[token] . up[e]) for packed experts, a program per (slot, BN
     outputs, K split): each slot is a GEMV row of its own expert, read straight from the routing (no
@@ -195,9 +201,9 @@ def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin, k_end = _k_range(H, k_per_split)
     gate = _slot_gemv(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end, BITS,
-                      HAS_ZERO, SPANS, BLOCK_N, BLOCK_K)
+                      HAS_ZERO, SPANS, BF16X2, BLOCK_N, BLOCK_K)
     up = _slot_gemv(x_row, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end, BITS, HAS_ZERO,
-                    SPANS, BLOCK_N, BLOCK_K)
+                    SPANS, BF16X2, BLOCK_N, BLOCK_K)
     mask = offs_n < I
     offsets = slot * I + offs_n
     if SPLIT:
@@ -214,7 +220,8 @@ def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_
 @triton.jit
 def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, routing_ptr, ws_ptr, counter_ptr, H, I,
                          TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                         SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         SPANS: tl.constexpr, SPLIT: tl.constexpr, BF16X2: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     """out[token] = the sum over the token's slots of routing[slot] * (act[slot] . down[e]), written in
     out's dtype here (no reduction and cast after). SPLIT: a program per (slot, BN outputs, K split), each
     adding into the float32 workspace [tokens, H]; the program adding a token tile's last part (TOP_K slots
@@ -229,8 +236,8 @@ def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, rou
         token = slot // TOP_K
         e = tl.load(indices_ptr + slot).to(tl.int64)
         acc = tl.load(routing_ptr + slot) * _slot_gemv(act_ptr + slot * I, w_ptr, s_ptr, z_ptr, e, offs_n, I, H,
-                                                       group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_N,
-                                                       BLOCK_K)
+                                                       group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BF16X2,
+                                                       BLOCK_N, BLOCK_K)
         offsets = token * H + offs_n
         tl.atomic_add(ws_ptr + offsets, acc, mask=mask, sem="relaxed")
         if _last_split(counter_ptr + token * tl.num_programs(1) + pid_n, TOP_K * tl.num_programs(2)):
@@ -243,7 +250,7 @@ def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, rou
             e = tl.load(indices_ptr + slot).to(tl.int64)
             acc += tl.load(routing_ptr + slot) * _slot_gemv(act_ptr + slot * I, w_ptr, s_ptr, z_ptr, e, offs_n, I, H,
                                                             group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS,
-                                                            BLOCK_N, BLOCK_K)
+                                                            BF16X2, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + token * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -279,6 +279,27 @@ add.f32 $0, lo, hi;
 
 
 @triton.jit
+def gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size,
+                     HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+    """gemv_tile for int4 weights and bf16 x, two values per instruction (_DOT8_BF16X2): inputs k0 ..
+    k0 + 8R. Shared by the dense bf16x2 GEMV and the fused MoE's per-slot GEMV."""
+    w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
+                                     HAS_ZERO, SPANS)
+    if HAS_ZERO:
+        offset = base + 128.0  # base is the zero point + 8
+    else:
+        offset = tl.zeros_like(scale) + 136.0
+    neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    k = k0 + r * 8
+    part = tl.inline_asm_elementwise(
+        _DOT8_BF16X2, "=r,r,r,r,r,r,r",
+        [w, _x_pairs(x_row, k, K)[:, None], _x_pairs(x_row, k + 1, K)[:, None],
+         _x_pairs(x_row, k + 2, K)[:, None], _x_pairs(x_row, k + 3, K)[:, None], neg | (neg << 16)],
+        dtype=tl.float32, is_pure=True, pack=1)
+    return _add_scaled(acc, part, scale, SPANS)
+
+
+@triton.jit
 def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
                              group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                              FINISH: tl.constexpr, SPANS: tl.constexpr,
@@ -301,20 +322,8 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
-                                         HAS_ZERO, SPANS)
-        if HAS_ZERO:
-            offset = base + 128.0  # base is the zero point + 8
-        else:
-            offset = tl.zeros_like(scale) + 136.0
-        neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        k = k0 + r * 8
-        part = tl.inline_asm_elementwise(
-            _DOT8_BF16X2, "=r,r,r,r,r,r,r",
-            [w, _x_pairs(x_row, k, K)[:, None], _x_pairs(x_row, k + 1, K)[:, None],
-             _x_pairs(x_row, k + 2, K)[:, None], _x_pairs(x_row, k + 3, K)[:, None], neg | (neg << 16)],
-            dtype=tl.float32, is_pure=True, pack=1)
-        acc = _add_scaled(acc, part, scale, SPANS)
+        acc = gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, HAS_ZERO,
+                               SPANS)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 

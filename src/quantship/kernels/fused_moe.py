@@ -15,13 +15,16 @@ Each projection of all experts is stacked once per layer (`ExpertWeights`): dens
 checkpoint's [out, in] matrices, or W4A16/W8A16 packed [E, in/P, out] int32 with scales [E, G, out]
 (and zero points), the layout of kernels/wna16.py, dequantized in registers by the same tile
 product (wna16 packed_tile_dot: each word loaded once; tiles may span groups). Packed experts take
-two other routes where those blocks measured slow: a decode step whose slots mostly pick different
-experts runs each slot as a GEMV row of its own expert (the dense GEMV's tile; down sums each
-token's slots in the kernel), so no program streams an expert's whole K alone; a prefill step (64+
-slots per expert) dequantizes the experts once, a chunk at a time, for the bf16 blocks. Gate and up
-are separate stacks, so each expert's own Linear can keep a view into them. `reference` is the plain
-loop the kernels must equal. The shapes follow vLLM's fused_moe (its sorted-token layout is the
-anchor); the code is ours.
+two other routes where those blocks measured slow: a decode step whose slots mostly pick
+different experts runs each slot as a GEMV row of its own expert (the dense GEMV's tile, int4 in
+bf16x2 pairs on a GPU; down sums each token's slots in the kernel), so no program streams an
+expert's whole K alone; a prefill step (64+ slots per expert) dequantizes the experts once, a chunk
+at a time, for the bf16 blocks. Gate and up are separate stacks, so each expert's own Linear can
+keep a view into them. `reference` is the plain loop the kernels must equal. Shared experts may be
+folded into the stacks as pieces of a routed expert's width (models.deepseek.MoE.fold_shared): the
+router then appends a slot of weight 1 per piece to every token, and they run in the same two
+launches. The shapes follow vLLM's fused_moe (its sorted-token layout is the anchor); the code is
+ours.
 """
 
 from __future__ import annotations
@@ -174,7 +177,9 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     n, hidden = x.shape
     inter, top_k = gate.out_features, indices.shape[1]
     slots = n * top_k
-    blocks = wna16.choose_blocks(1, bf16x2=False)
+    # int4 experts and bf16 x on a GPU take the dense bf16x2 GEMV's tile and table entry, as one row does
+    bf16x2 = gate.bits == 4 and down.bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda
+    blocks = wna16.choose_blocks(1, bf16x2)
     flat = indices.reshape(-1).contiguous()
     routing = weights.reshape(-1).float().contiguous()
     x = x.contiguous()
@@ -188,7 +193,7 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     moe_gemv_gate_up_kernel[(slots, tiles, splits)](
         x, *_pointers(gate), *_pointers(up), act, flat, *(workspace or (act, flat)), slots, hidden, inter, top_k,
         max(gate.group_size, 1), per_split, BITS=gate.bits, HAS_ZERO=gate.zero is not None,
-        SPANS=_spans(gate, blocks.block_k), SPLIT=workspace is not None, **common)
+        SPANS=_spans(gate, blocks.block_k), SPLIT=workspace is not None, BF16X2=bf16x2, **common)
     # down: a program per (slot, tile, K split), the token's slots summed in the workspace (split or not);
     # without one (growing it during graph capture), a program per (token, tile) looping over its slots.
     out = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
@@ -200,7 +205,7 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     moe_gemv_down_kernel[(slots if workspace else n, tiles, splits)](
         act, *_pointers(down), out, flat, routing, *(workspace or (out, flat)), hidden, inter, top_k,
         max(down.group_size, 1), per_split, BITS=down.bits, HAS_ZERO=down.zero is not None,
-        SPANS=_spans(down, blocks.block_k), SPLIT=workspace is not None, **common)
+        SPANS=_spans(down, blocks.block_k), SPLIT=workspace is not None, BF16X2=bf16x2, **common)
     return out
 
 
@@ -293,7 +298,8 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
               launch: dict | None = None, dequantize: bool | None = None, shared: int = 0) -> torch.Tensor:
     """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `shared`: the last
     that many experts of the stacks are shared experts folded in, which every token's last `shared`
-    slots pick (routing.Routing.shared); the routes below are chosen by the routed slots alone.
+    slots pick (routing.Routing.shared); the slot GEMV is chosen by all the slots, the blocks' height
+    and dequantize-once by the routed slots.
     `split_k` (decode blocks only; default DECODE_SPLIT_K) splits each block's K over that many
     programs; `slot_gemv` (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead
     of blocks; `dequantize` (default: dequantizes_experts) dequantizes packed experts once, in chunks,
@@ -303,7 +309,9 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     num_experts, inter, top_k = gate.weight.shape[0], gate.out_features, indices.shape[1]
     slots = n * top_k
     routed_slots, routed_experts = n * (top_k - shared), num_experts - shared
-    if gate.bits and (uses_slot_gemv(routed_slots, routed_experts, gate.bits) if slot_gemv is None else slot_gemv):
+    # the slot GEMV re-reads a folded shared piece for every token, as it does a routed expert picked twice:
+    # its choice counts them all; the blocks' height follows the routed experts' tokens
+    if gate.bits and (uses_slot_gemv(slots, num_experts, gate.bits) if slot_gemv is None else slot_gemv):
         return _slot_gemv(x, gate, up, down, weights, indices)
     block_m = block_m or block_m_for(routed_slots, routed_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)

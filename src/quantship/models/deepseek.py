@@ -184,7 +184,7 @@ class MoE(nn.Module):
 
     def routed(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum (with the shared experts' where they are folded into the stacks)."""
-        if self.fused is not None and on_gpu_kernel(flat):
+        if self.fused is not None and on_gpu_kernel(flat) and self.use_kernels:
             return fused_moe(flat, *self.fused, weights, indices, shared=self.folded_shared)
         if self.folded_shared:  # the shared experts live in the stacks only now
             return reference(flat, *self.fused, weights, indices).to(flat.dtype)
@@ -213,6 +213,7 @@ class MoE(nn.Module):
         return all(len(s) == 1 for s in schemes) and schemes[0] == schemes[1]
 
     fold_shared = True  # enable_fused_kernels' default (benchmarks turn it off to compare)
+    use_kernels = True  # False: CUDA loops over the experts too, dequantized (the reference of comparisons)
 
     def enable_fused_kernels(self, fold_shared: bool | None = None) -> bool:
         """Stack the experts for the fused kernels (the serving engine calls this on CUDA). Each expert's
