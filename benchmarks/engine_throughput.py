@@ -444,12 +444,16 @@ def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
         config = replace(config, max_num_batched_tokens=prompt_len, max_model_len=prompt_len + 8)
     time_engine(model, prompt, 1, config)
     wall = time_engine(model, prompt, 1, config)
-    with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         time_engine(model, prompt, 1, config)
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-    print(f"{label}: kernels of a {prompt_len}-token prefill (wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms)",
-          flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+    print(f"{label}: kernels of a {prompt_len}-token prefill (wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms, "
+          f"{launches} kernel launches)", flush=True)
+    print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    # What the host spends the wall time on: the ops it runs most often, with their own CPU time.
+    print(events.table(sort_by="count", row_limit=30, max_name_column_width=70), flush=True)
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
@@ -568,7 +572,10 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
     "": {"the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"27 layers, the code now: routing in one kernel, slot GEMV to 0.75 slots per expert, packed experts "
+    "_v2-lite": {"27 layers, the code now: MLA's decode attention split over the keys": "_split_attention",
+                 "27 layers, shared experts folded into the routed stacks, slot GEMV in bf16 pairs chosen by all "
+                 "slots": "_bf16x2",
+                 "27 layers, routing in one kernel, slot GEMV to 0.75 slots per expert, packed experts "
                  "dequantized once in prefill": "_router2",
                  "27 layers, the same with the slot GEMV's down a program per token (twice that kernel's time)": "_router",
                  "27 layers, slot GEMV to 0.25 slots per expert": "_slot_gemv",
@@ -599,7 +606,16 @@ MOE_ANATOMY = (
     "is what kept W4A16 prefill of MoE models below bf16; they are dequantized once per prefill step now. "
     "The next run's profile (routing in one kernel): `route_kernel` 2.3 µs per layer, 2% of the step. A "
     "128-token prefill (eager, not a graph) took 42.6 ms of wall time for 15.5 ms of kernels in W4A16 and "
-    "35.1 for 11.9 in bf16: the prompts' prefill in these runs is host-bound.")
+    "35.1 for 11.9 in bf16: the prompts' prefill in these runs is host-bound. A later profile (4 of the 27 "
+    "layers, batch 1, shared experts folded into the stacks, before the key split; `quick --layers 4 --profile`), "
+    "per MoE layer: the slot GEMVs 16.3 µs for gate/up and 10.5 µs for down, the shared experts' pieces included "
+    "(no dense shared MLP left); MLA's int4 projections 7.3 µs per GEMV; MLA's paged decode 11.5 µs, one program "
+    "for all 16 heads at batch 1, which the key split now spreads (7.4 µs at 128 keys, 22 µs instead of 247 at "
+    "4,096 in the kernel benchmark); the absorption's two bf16 products 6.8 µs; the router's float32 product "
+    "3.8 µs in two cuBLAS kernels and `route_kernel` 2.3 µs; the cache write and its concatenations about 6 µs; "
+    "norms 1.5 µs each; the bf16 lm_head 109 µs per step. Its 128-token prefill made 136 kernel launches and 11 "
+    "host synchronizations (the step's inputs uploaded from pageable memory) in 8.9 ms of wall time for 2.9 ms "
+    "of kernels (bf16: 6.1 for 2.1).")
 
 
 def quick_rerun_note(suffix: str) -> list[str]:
@@ -611,20 +627,20 @@ def quick_rerun_note(suffix: str) -> list[str]:
             continue
         for x in json.loads(path.read_text()):
             if "batch" in x:
-                steps = (x.get("anatomy_w4a16") or {}).get("step_ms"), (x.get("anatomy_bf16") or {}).get("step_ms")
+                w4, bf16 = x.get("anatomy_w4a16") or {}, x.get("anatomy_bf16") or {}
                 first = x.get("first_token_ms")
+                ratios = [f"{bf16[k] / w4[k]:.2f}x" if w4.get(k) and bf16.get(k) else "-" for k in ("step_ms", "replay_ms")]
                 rows.append([label, x["batch"], f"{x['w4a16_tok_s']:.1f}", f"{x['bf16_tok_s']:.1f}",
-                             f"{x['w4a16_tok_s'] / x['bf16_tok_s']:.2f}x",
-                             f"{steps[1] / steps[0]:.2f}x" if all(steps) else "-",
+                             f"{x['w4a16_tok_s'] / x['bf16_tok_s']:.2f}x", *ratios,
                              f"{first['w4a16']:.1f} / {first['bf16']:.1f}" if first else "-"])
             else:
                 rows.append([label, "TTFT 2048", f"{x['ttft']['w4a16']['ours_s'] * 1e3:.1f} ms",
                              f"{x['ttft']['bf16']['ours_s'] * 1e3:.1f} ms",
-                             f"{x['ttft']['bf16']['ours_s'] / x['ttft']['w4a16']['ours_s']:.2f}x", "", ""])
+                             f"{x['ttft']['bf16']['ours_s'] / x['ttft']['w4a16']['ours_s']:.2f}x", "", "", ""])
     if not rows:
         return []
     header = ["code", "batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "decode step, bf16 / W4A16",
-              "prompts' prefill + first token, W4A16 / bf16 ms"]
+              "its graph replay alone, bf16 / W4A16", "prompts' prefill + first token, W4A16 / bf16 ms"]
     return [QUICK_TEXT[suffix], "", table(header, rows), "",
             "tok/s covers the whole run, the prompts' prefill included; the decode-step column is the engine's decode "
             "step alone (step_anatomy: 32 decode-only steps after a 64-token prompt), the last the run with one "

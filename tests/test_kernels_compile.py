@@ -87,15 +87,21 @@ for experts, chunk in ((64, 64), (256, 16)):  # V2-Lite's and V3's routed expert
     compile(moe.align_kernel, {"indices_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
             "num_slots": "i32", "num_experts": "i32", "capacity": "i32"},
             {"BLOCK_M": 16, "EXPERTS": experts, "CHUNK": chunk})
+split = {"part_ptr": "*fp32", "stats_ptr": "*fp32"}
 for group, dim in ((1, 128), (4, 128), (7, 64)):
-    compile(attention.paged_decode_kernel, {"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
-            "lengths_ptr": "*i32", "out_ptr": "*bf16", "stride_slots": "i32", "width": "i32", "scale": "fp32"},
-            {"GROUP": group, "KV_HEADS": 8, "HEAD_DIM": dim, "BLOCK_H": 16, "BLOCK_N": 64})
+    for splits in (False, True):
+        compile(attention.paged_decode_kernel, dict({"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
+                "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split, stride_slots="i32", width="i32", scale="fp32",
+                keys_per_split="i32"),
+                {"GROUP": group, "KV_HEADS": 8, "HEAD_DIM": dim, "BLOCK_H": 16, "BLOCK_N": 64, "SPLIT": splits})
 for rank, rope, block_n in ((512, 64, 32), (128, 16, 64)):  # DeepSeek-V2/V3's latent, the bundled model's
-    compile(attention.paged_mla_decode_kernel, {"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
-            "lengths_ptr": "*i32", "out_ptr": "*bf16", "stride_slots": "i32", "width": "i32", "heads": "i32",
-            "scale": "fp32"}, {"RANK": rank, "ROPE": rope, "BLOCK_R": rank, "BLOCK_P": rope, "BLOCK_H": 16,
-            "BLOCK_N": block_n})
+    for splits in (False, True):
+        compile(attention.paged_mla_decode_kernel, dict({"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
+                "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split, stride_slots="i32", width="i32", heads="i32",
+                scale="fp32", keys_per_split="i32"), {"RANK": rank, "ROPE": rope, "BLOCK_R": rank, "BLOCK_P": rope,
+                "BLOCK_H": 16, "BLOCK_N": block_n, "SPLIT": splits})
+    compile(attention.combine_splits_kernel, dict(split, out_ptr="*bf16", splits="i32"),
+            {"D": rank, "BLOCK_S": 16, "BLOCK_D": rank})
 for block in (512, 4096, 8192):  # the bundled model's hidden size up to DeepSeek-V3's 7168
     compile(elementwise.rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
             "n": "i32", "eps": "fp32"}, {"BLOCK": block})
@@ -115,4 +121,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 99
+    assert done.stdout.count(" ok") == 106

@@ -322,4 +322,5 @@ def test_the_slot_gemv_counts_the_folded_shared_slots(tokens, slot_gemv):
     finally:
         fused_moe._slot_gemv = original
     assert calls == ([(tokens, 8)] if slot_gemv else [])
-    torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
+    # The looped layer's packed Linears run tensor-core tiles (TF32 on the GPU) where the slot GEMV does not.
+    assert ((got - expected).norm() / expected.norm()) < (2e-5 if DEVICE == "cpu" else 5e-3)

@@ -1,4 +1,10 @@
-"""The Triton kernel behind kernels.paged_attention (imported only when launched; the layout is there)."""
+"""The Triton kernels behind kernels.paged_attention (imported only when launched; the layout is there).
+
+Both decode kernels take a third grid axis of key splits (flash-decoding): split i walks keys
+i * keys_per_split .. (i + 1) * keys_per_split - 1 of its sequence and, where there is more than one
+split (SPLIT), stores its unnormalised output and its running max and sum for combine_splits_kernel;
+with one split the program normalises and stores the output itself.
+"""
 
 import triton
 import triton.language as tl
@@ -17,9 +23,56 @@ def _online_softmax_step(scores, values, running_max, running_sum, acc):
 
 
 @triton.jit
-def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, stride_slots, width, scale,
-                        GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+def _finish(acc, running_max, running_sum, out_ptr, part_ptr, stats_ptr, rows, rows_ok, cols, cols_ok, D,
+            SPLIT: tl.constexpr):
+    """A program's output rows [BLOCK_H, D]: normalised into out [rows, D] (one split; a row with no keys
+    comes out 0), or its split's unnormalised sums into part [rows, splits, D] and (max, sum) into
+    stats [rows, splits, 2]."""
+    mask = rows_ok[:, None] & cols_ok[None, :]
+    if SPLIT:
+        at = rows * tl.num_programs(2) + tl.program_id(2)
+        tl.store(part_ptr + at[:, None] * D + cols[None, :], acc, mask=mask)
+        tl.store(stats_ptr + at * 2, running_max, mask=rows_ok)
+        tl.store(stats_ptr + at * 2 + 1, running_sum, mask=rows_ok)
+    else:
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # no keys (a padding row): 0
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """One output row from its splits: each split's sums rescaled to the largest running max, added, and
+    divided by the rescaled sum of the softmax denominators. Splits past a sequence's length hold a max
+    of -inf and weigh nothing; a row with no keys at all (a graph's padding row) comes out 0."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < splits
+    d = tl.arange(0, BLOCK_D)
+    at = row * splits + s
+    maxes = tl.load(stats_ptr + at * 2, mask=s_ok, other=float("-inf"))
+    sums = tl.load(stats_ptr + at * 2 + 1, mask=s_ok, other=0.0)
+    top = tl.max(maxes, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no split saw a key: every weight is exp(-inf) = 0
+    weight = tl.exp(maxes - top)
+    total = tl.sum(weight * sums, axis=0)
+    acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _key_range(lengths_ptr, seq, keys_per_split):
+    """[begin, end) of the keys this program's split walks (empty past the sequence's length)."""
+    length = tl.load(lengths_ptr + seq)
+    begin = tl.program_id(2) * keys_per_split
+    return begin, tl.minimum(begin + keys_per_split, length)
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_ptr, stats_ptr, stride_slots, width,
+                        scale, keys_per_split, GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)  # the query heads sharing this K/V head, padded to a dot tile
@@ -27,13 +80,13 @@ def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, strid
     d = tl.arange(0, HEAD_DIM)
     q_rows = (seq * KV_HEADS * GROUP + kv_head * GROUP + heads).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=h_ok[:, None], other=0.0)
-    length = tl.load(lengths_ptr + seq)
+    begin, end = _key_range(lengths_ptr, seq, keys_per_split)
     running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
-    for j0 in range(0, length, BLOCK_N):
+    for j0 in range(begin, end, BLOCK_N):  # every block holds a key below `end`: the running max is finite
         j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = j < length
+        j_ok = j < end
         slot = tl.load(slots_ptr + seq * stride_slots + j, mask=j_ok, other=0).to(tl.int64)
         row = cache_ptr + slot[:, None] * width + d[None, :]
         k = tl.load(row + kv_head * HEAD_DIM, mask=j_ok[:, None], other=0.0)
@@ -41,14 +94,14 @@ def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, strid
         scores = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
         scores = tl.where(j_ok[None, :], scores, float("-inf"))
         running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    _finish(acc, running_max, running_sum, out_ptr, part_ptr, stats_ptr, q_rows, h_ok, d, d < HEAD_DIM, HEAD_DIM, SPLIT)
 
 
 @triton.jit
-def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, stride_slots, width, heads, scale,
-                            RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_ptr, stats_ptr, stride_slots,
+                            width, heads, scale, keys_per_split, RANK: tl.constexpr, ROPE: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """One sequence, BLOCK_H of its heads: every head attends to the same latent entries (c_kv ‖ k_rope)."""
     seq = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -61,13 +114,13 @@ def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, s
     q_row = q_ptr + q_rows[:, None] * (RANK + ROPE)
     q_latent = tl.load(q_row + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     q_rope = tl.load(q_row + RANK + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
-    length = tl.load(lengths_ptr + seq)
+    begin, end = _key_range(lengths_ptr, seq, keys_per_split)
     running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
-    for j0 in range(0, length, BLOCK_N):
+    for j0 in range(begin, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = j < length
+        j_ok = j < end
         slot = tl.load(slots_ptr + seq * stride_slots + j, mask=j_ok, other=0).to(tl.int64)
         entry = cache_ptr + slot[:, None] * width
         latent = tl.load(entry + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
@@ -76,6 +129,4 @@ def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, s
         scores += tl.dot(q_rope, tl.trans(k_rope), out_dtype=tl.float32)
         scores = tl.where(j_ok[None, :], scores * scale, float("-inf"))
         running_max, running_sum, acc = _online_softmax_step(scores, latent, running_max, running_sum, acc)
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + q_rows[:, None] * RANK + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & r_ok[None, :])
+    _finish(acc, running_max, running_sum, out_ptr, part_ptr, stats_ptr, q_rows, h_ok, r, r_ok, RANK, SPLIT)

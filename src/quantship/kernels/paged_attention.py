@@ -16,6 +16,11 @@ form the queries already live in that space ([S, H, rank + rope]), so `mla_decod
 multi-query attention whose keys are the whole entry and whose values are its first `rank` numbers:
 each program takes one sequence and a block of heads and reads the entries once, with no per-layer
 gather of the context and no expansion over heads; `mla_reference` is its plain form.
+
+Few sequences give few programs: V2-Lite's 16 heads at batch 1 are one program walking the whole
+context on one SM. Both kernels therefore split the key axis too (key_splits: enough parts to fill
+the GPU), each split keeping its own running softmax, and a second launch combines the splits of
+each row (flash-decoding's reduction).
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ def reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, len
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
-                     kv_heads: int, scale: float, block_n: int = 64) -> torch.Tensor:
-    """[S, H, D] in q's dtype, through the Triton kernel."""
+                     kv_heads: int, scale: float, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+    """[S, H, D] in q's dtype, through the Triton kernel; `splits` of the key axis (default key_splits')."""
     import triton
 
     from quantship.kernels._paged_attention_triton import paged_decode_kernel
@@ -53,11 +58,13 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tens
     group = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)  # after .contiguous(): empty_like keeps a transposed q's strides
-    paged_decode_kernel[(s, kv_heads)](
-        q, cache, key_slots, lengths, out, key_slots.stride(0), cache.shape[1], scale,
+    splits, keys_per_split = _split_keys(key_slots.shape[1], block_n, s * kv_heads, q.device, splits)
+    part, stats = _split_buffers(s * heads, splits, dim, q.device)
+    paged_decode_kernel[(s, kv_heads, splits)](
+        q, cache, key_slots, lengths, out, part, stats, key_slots.stride(0), cache.shape[1], scale, keys_per_split,
         GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n)
-    return out
+        BLOCK_N=block_n, SPLIT=splits > 1)
+    return _combine(part, stats, out, splits)
 
 
 def mla_supports(rank: int, rope: int) -> bool:
@@ -78,8 +85,8 @@ def mla_reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor,
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
-                         rank: int, scale: float, block_h: int = 16) -> torch.Tensor:
-    """[S, H, rank] in q's dtype, through the Triton kernel."""
+                         rank: int, scale: float, block_h: int = 16, splits: int | None = None) -> torch.Tensor:
+    """[S, H, rank] in q's dtype, through the Triton kernel; `splits` of the key axis (default key_splits')."""
     import triton
 
     from quantship.kernels._paged_attention_triton import paged_mla_decode_kernel
@@ -91,8 +98,83 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.
     block_r = max(16, triton.next_power_of_2(rank))
     # Keep a tile of latent entries (BLOCK_N x rank) within what the pipeline stages can hold in shared memory.
     block_n = 32 if block_r >= 512 else 64
-    paged_mla_decode_kernel[(s, triton.cdiv(heads, block_h))](
-        q, cache, key_slots, lengths, out, key_slots.stride(0), cache.shape[1], heads, scale,
-        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
-        BLOCK_N=block_n)
+    head_blocks = triton.cdiv(heads, block_h)
+    splits, keys_per_split = _split_keys(key_slots.shape[1], block_n, s * head_blocks, q.device, splits)
+    part, stats = _split_buffers(s * heads, splits, rank, q.device)
+    paged_mla_decode_kernel[(s, head_blocks, splits)](
+        q, cache, key_slots, lengths, out, part, stats, key_slots.stride(0), cache.shape[1], heads, scale,
+        keys_per_split, RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=splits > 1)
+    return _combine(part, stats, out, splits)
+
+
+# Programs per SM a decode step's attention should give the GPU before its keys are split further.
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 16  # the combine holds every split of a row at once
+# Key blocks a split must spare each program before it pays for the combine's launch and traffic
+# (benchmarks/kernel_paged_attention.py, H200: a block is about 1.9 µs of MLA's loop, 1.4 of Llama's;
+# the combine 2 µs at batch 1, more where many rows write their splits).
+MIN_BLOCKS_SAVED = 3
+
+
+def key_splits(key_len: int, block_n: int, programs: int, sms: int) -> int:
+    """How many parts the key axis (padded to key_len) is cut into, in whole blocks of block_n: enough
+    that `programs` (sequences x head blocks) times the splits fill PROGRAMS_PER_SM programs per SM.
+    Unsplit, a batch-1 decode is one program per head block walking every key alone (V2-Lite's 16
+    heads: one program on one SM). key_len is a CUDA graph's fixed key bucket, so a graph's split
+    never changes; splits past a sequence's length do nothing. A bucket holds contexts from half its
+    length, so the split must save MIN_BLOCKS_SAVED blocks there, or the key axis stays whole."""
+    blocks = -(-key_len // block_n)
+    wanted = -(-PROGRAMS_PER_SM * sms // max(programs, 1))
+    splits = max(1, min(MAX_SPLITS, blocks, wanted))
+    per_split = -(-blocks // splits)
+    half = -(-blocks // 2)
+    if half - min(per_split, half) < MIN_BLOCKS_SAVED:
+        return 1
+    return -(-blocks // per_split)
+
+
+def _split_keys(key_len: int, block_n: int, programs: int, device: torch.device,
+                splits: int | None) -> tuple[int, int]:
+    """(splits, keys per split), the keys per split whole blocks."""
+    if splits is None:
+        splits = key_splits(key_len, block_n, programs, _sm_count(device))
+    per_split = -(-max(key_len, 1) // splits)
+    per_split = -(-per_split // block_n) * block_n
+    return -(-max(key_len, 1) // per_split), per_split
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs (4 for the CPU under Triton's interpreter: small splits get tested there too)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def _split_buffers(rows: int, splits: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's unnormalised output [rows, splits, dim] and (running max, sum) [rows, splits, 2], float32;
+    one-element placeholders when the key axis is not split."""
+    if splits == 1:
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty
+    return (torch.empty(rows, splits, dim, dtype=torch.float32, device=device),
+            torch.empty(rows, splits, 2, dtype=torch.float32, device=device))
+
+
+def _combine(part: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
+    """out from the splits' partial results (a second launch), or as the kernel stored it (one split)."""
+    if splits == 1:
+        return out
+    import triton
+
+    from quantship.kernels._paged_attention_triton import combine_splits_kernel
+
+    rows, _, dim = part.shape
+    combine_splits_kernel[(rows,)](part, stats, out, splits, D=dim, BLOCK_S=triton.next_power_of_2(splits),
+                                   BLOCK_D=triton.next_power_of_2(dim))
     return out
