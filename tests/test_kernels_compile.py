@@ -109,6 +109,10 @@ compile(elementwise.add_rms_norm_kernel, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w
         "out_ptr": "*bf16", "stride_x": "i32", "stride_d": "i32", "n": "i32", "eps": "fp32"}, {"BLOCK": 8192})
 compile(elementwise.silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32",
         "stride_g": "i32", "stride_u": "i32"}, {"BLOCK": 1024})
+for rank, half in ((512, 32), (128, 8)):  # DeepSeek-V2/V3's latent and rope key, the bundled model's
+    compile(elementwise.latent_write_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+            "kv_ptr": "*bf16", "slots_ptr": "*i64", "stride_x": "i32", "stride_cos": "i32", "width": "i32",
+            "eps": "fp32"}, {"RANK": rank, "HALF": half, "INTERLEAVED": True, "BLOCK_R": rank, "BLOCK_P": half})
 for interleaved, block in ((True, 32), (False, 64)):  # DeepSeek's 64 rope dims in pairs, Llama's 128 in halves
     compile(elementwise.rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
             "half": "i32", "stride_a": "i32", "stride_t": "i32", "stride_cos": "i32", "out_stride_a": "i32",
@@ -121,4 +125,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 106
+    assert done.stdout.count(" ok") == 108

@@ -74,6 +74,33 @@ def test_rope_equals_the_plain_ops(interleaved, dim):
             assert (out.transpose(0, 1) if out.dim() == 3 else out).is_contiguous()
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_latent_write_equals_the_plain_ops(interleaved):
+    """MLA's cache write in one kernel: the latent's norm and the rope key's rotation written into the
+    cache slots, from rows that are a strided view of a wider projection (as the merged q/kv_a gives)."""
+    g = torch.Generator().manual_seed(5)
+    tokens, rank, rope = 5, 64, 16
+    projection = (torch.randn(tokens, 48 + rank + rope, generator=g) * 3).to(DEVICE)
+    latent = projection[:, 48:]
+    weight = (torch.rand(rank, generator=g) + 0.5).to(DEVICE)
+    angles = torch.tensor([0, 1, 7, 300, 4000])[:, None].float() * (1.0 / (10000 ** (torch.arange(0, rope, 2) / rope)))
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    slots = torch.tensor([9, 2, 30, 4, 17]).to(DEVICE)
+    for dtype in DTYPES:
+        args = latent.to(dtype), weight.to(dtype), 1e-6, cos.to(dtype), sin.to(dtype), interleaved
+        caches = [torch.full((32, rank + rope), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
+        assert elementwise.latent_write_supports(args[0], args[1], args[3], args[4], caches[0])
+        elementwise.latent_write(*args, caches[0], slots)
+        elementwise.reference_latent_write(*args, caches[1], slots)
+        _close(caches[0], caches[1])
+        untouched = torch.ones(32, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert (caches[0][untouched.to(DEVICE)] == 7.0).all()  # other slots keep what they held
+    # The norm is rounded once, to the cache's dtype: a float32 weight on a bf16 latent takes the plain path.
+    assert not elementwise.latent_write_supports(latent.half(), weight, cos.half(), sin.half(), caches[0].half())
+    assert not elementwise.latent_write_supports(latent, weight, cos[:4], sin[:4], caches[0].float())
+
+
 def test_rope_refuses_what_it_does_not_take():
     x = torch.randn(2, 3, 5, 8)  # 4-D: the contiguous-cache path's [B, H, T, D]
     cos = torch.randn(5, 4)
@@ -86,13 +113,14 @@ def test_rope_refuses_what_it_does_not_take():
 @pytest.mark.parametrize("which", ["deepseek", "llama"])
 def test_a_decode_step_through_the_fused_ops_gives_the_same_logits(which, llama_dir, monkeypatch):
     """The bundled DeepSeek-V3 (MLA + MoE, interleaved rope, q/kv norms) and a Llama model: a paged
-    prefill and decode step with every norm, rotary embedding and SwiGLU product fused, against the plain ops."""
+    prefill and decode step with every norm, rotary embedding and SwiGLU product fused (MLA's cache write
+    too), against the plain ops."""
     from quantship.models import layers, paged
     from quantship.models.bundled import TINY_DIR
     from quantship.models.loader import load_model
 
     model = load_model(TINY_DIR if which == "deepseek" else llama_dir, torch.float32, device=DEVICE)
-    calls = {"rms_norm": 0, "add_rms_norm": 0, "rope": 0, "silu_mul": 0}
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "rope": 0, "silu_mul": 0} | ({"latent_write": 0} if which == "deepseek" else {})
     for name in calls:
         original = getattr(elementwise, name)
         monkeypatch.setattr(elementwise, name, lambda *a, name=name, original=original, **k:

@@ -9,12 +9,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_row(x, w_ptr, out_ptr, row, n, eps, offs, mask):
-    """Store w * round(x * rsqrt(mean(x²) + eps)) as output row `row`, the mean in float32."""
+def _norm_values(x, w_ptr, n, eps, offs, mask):
+    """w * round(x * rsqrt(mean(x²) + eps)) in float32 (to be rounded once to the output dtype), the
+    mean in float32; x is 0 past n."""
     xf = x.to(tl.float32)
     normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
+    return normed.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def _norm_row(x, w_ptr, out_ptr, row, n, eps, offs, mask):
+    """Store the normalized row x as output row `row`."""
+    y = _norm_values(x, w_ptr, n, eps, offs, mask)
     tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -60,26 +67,54 @@ def _round(v, like):
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, half, stride_a, stride_t, stride_cos, out_stride_a, out_stride_t,
-                INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
-    """One (leading index, position) per program; the output [A, T, 2*half] is in halves layout:
-    (a cos - b sin, b cos + a sin), each product and sum rounded as the plain ops round."""
-    a_idx = tl.program_id(0)
-    t = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < half
-    base = x_ptr + a_idx * stride_a + t * stride_t
+def _rotated(base, cos_row, sin_row, half, offs, mask, INTERLEAVED: tl.constexpr):
+    """The rotated halves (a cos - b sin, b cos + a sin) of the rope dims at `base`, in float32 holding
+    values of x's dtype: each product and sum rounded as the plain ops round."""
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...
         a = tl.load(base + 2 * offs, mask=mask, other=0.0)
         b = tl.load(base + 2 * offs + 1, mask=mask, other=0.0)
     else:  # two halves
         a = tl.load(base + offs, mask=mask, other=0.0)
         b = tl.load(base + half + offs, mask=mask, other=0.0)
-    c = _round(tl.load(cos_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32), a)
-    s = _round(tl.load(sin_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32), a)
+    c = _round(tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32), a)
+    s = _round(tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32), a)
     af, bf = a.to(tl.float32), b.to(tl.float32)
     first = _round(_round(af * c, a) - _round(bf * s, a), a)
     second = _round(_round(bf * c, a) + _round(af * s, a), a)
+    return first, second
+
+
+@triton.jit
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, half, stride_a, stride_t, stride_cos, out_stride_a, out_stride_t,
+                INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
+    """One (leading index, position) per program; the output [A, T, 2*half] is in halves layout."""
+    a_idx = tl.program_id(0)
+    t = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    first, second = _rotated(x_ptr + a_idx * stride_a + t * stride_t, cos_ptr + t * stride_cos,
+                             sin_ptr + t * stride_cos, half, offs, mask, INTERLEAVED)
     out = out_ptr + a_idx * out_stride_a + t * out_stride_t
     tl.store(out + offs, first.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + half + offs, second.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def latent_write_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, stride_x, stride_cos, width, eps,
+                        RANK: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    """One token per program: its MLA latent row (c_kv ‖ k_rope) normalized and rotated, written into
+    its cache slot: the norm, the rotary embedding, their concatenation and the cache write in one."""
+    t = tl.program_id(0)
+    row = x_ptr + t * stride_x
+    entry = kv_ptr + tl.load(slots_ptr + t).to(tl.int64) * width
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    c_kv = _norm_values(tl.load(row + r, mask=r_ok, other=0.0), w_ptr, RANK, eps, r, r_ok)
+    tl.store(entry + r, c_kv.to(kv_ptr.dtype.element_ty), mask=r_ok)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < HALF
+    first, second = _rotated(row + RANK, cos_ptr + t * stride_cos, sin_ptr + t * stride_cos, HALF, p, p_ok,
+                             INTERLEAVED)
+    tl.store(entry + RANK + p, first.to(kv_ptr.dtype.element_ty), mask=p_ok)
+    tl.store(entry + RANK + HALF + p, second.to(kv_ptr.dtype.element_ty), mask=p_ok)

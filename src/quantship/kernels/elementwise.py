@@ -7,7 +7,9 @@ embedding of q or k 9, SwiGLU's product 2, about 40 of a Llama layer's ~50. Insi
 still costs a few microseconds however little it computes, so a 32-layer model spends milliseconds
 per step on them. Each function here is one kernel, and `reference_*` is the plain computation it
 must equal (the model's own code, which runs everywhere else: CPU, float64, other shapes);
-add_rms_norm's is the sum, then reference_rms_norm.
+add_rms_norm's is the sum, then reference_rms_norm. latent_write is MLA's cache write: the latent's
+norm, its rope key's rotation, their concatenation and the write into the cache slots, four kernels
+per layer in one (reference_latent_write).
 """
 
 from __future__ import annotations
@@ -103,3 +105,36 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
                             out.stride(1), INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(d // 2),
                             num_warps=1)
     return out if x.dim() == 3 else out[0]
+
+
+def reference_latent_write(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                           sin: torch.Tensor, interleaved: bool, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """kv[slots] = rms_norm(latent's first `weight` numbers) ‖ rope(the rest), in kv's dtype."""
+    rank = weight.shape[0]
+    entries = torch.cat((reference_rms_norm(latent[:, :rank], weight, eps),
+                         reference_rope(latent[:, rank:], cos, sin, interleaved)), dim=-1)
+    kv[slots] = entries.to(kv.dtype)
+
+
+def latent_write_supports(latent: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          kv: torch.Tensor) -> bool:
+    """Rows [N, rank + rope] with unit stride along them, all in one dtype (the kernel rounds the norm
+    once, to it), one cos/sin row per token, a cache row of the same width."""
+    rope = latent.shape[-1] - weight.shape[0]
+    return latent.dim() == 2 and latent.stride(-1) == 1 and latent.dtype == weight.dtype == kv.dtype \
+        and rope > 0 and rope % 2 == 0 and kv.is_contiguous() and kv.shape[1] == latent.shape[1] and cos.dim() == 2 \
+        and cos.shape == (latent.shape[0], rope // 2) and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+
+
+def latent_write(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """reference_latent_write in one launch (latent_write_supports says which inputs it takes)."""
+    import triton
+
+    from quantship.kernels._elementwise_triton import latent_write_kernel
+
+    rank, half = weight.shape[0], (latent.shape[1] - weight.shape[0]) // 2
+    latent_write_kernel[(latent.shape[0],)](latent, weight, cos, sin, kv, slots, latent.stride(0), cos.stride(0),
+                                            kv.shape[1], eps, RANK=rank, HALF=half, INTERLEAVED=interleaved,
+                                            BLOCK_R=triton.next_power_of_2(rank),
+                                            BLOCK_P=triton.next_power_of_2(half), num_warps=4)

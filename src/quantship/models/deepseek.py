@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantship.kernels import KERNEL_DTYPES, on_gpu_kernel
+from quantship.kernels import KERNEL_DTYPES, elementwise, on_gpu_kernel
 from quantship.kernels.fused_moe import ExpertWeights, fused_moe, reference
 from quantship.kernels.routing import Routing, reference_route, route
+from quantship.models import layers
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
 from quantship.models.paged import PagedBatch, dense_weight
@@ -88,8 +89,7 @@ class MLAttention(nn.Module, SharedInput):
         first, latent = self.project(x)
         q_nope, q_rope = self.queries(first).reshape(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         q_rope = self.rotary(q_rope.transpose(0, 1), cos, sin).transpose(0, 1)
-        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        batch.write(index, torch.cat((self.kv_a_layernorm(c_kv), self.rotary(k_rope, cos, sin)), dim=-1))
+        self.write_latent(latent, cos, sin, batch, index)
 
         w = dense_weight(self.kv_b_proj, x.dtype).view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
@@ -97,6 +97,17 @@ class MLAttention(nn.Module, SharedInput):
         out = batch.each(q, lambda q, part: self.paged_latent_attention(q, part, index))
         out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
         return self.o_proj(out)[None]
+
+    def write_latent(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch,
+                     index: int) -> None:
+        """The cache entries of this step's tokens: the latent c_kv normalized ‖ k_rope rotated; on the GPU
+        one kernel (the norm, the rotation, the concatenation and the write each one otherwise)."""
+        norm, kv = self.kv_a_layernorm, batch.kv[index]
+        if layers.use_fused_ops(latent) and elementwise.latent_write_supports(latent, norm.weight, cos, sin, kv):
+            elementwise.latent_write(latent, norm.weight, norm.eps, cos, sin, self.rotary.interleaved, kv, batch.slots)
+            return
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        batch.write(index, torch.cat((norm(c_kv), self.rotary(k_rope, cos, sin)), dim=-1))
 
     def paged_latent_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
         """Absorbed queries [n, H, rank + rope] → [n, H, rank]: the decode kernel where it runs."""
