@@ -394,7 +394,8 @@ def kernels_text(w: dict) -> str:
 def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = False) -> dict:
     """Where a decode step's time goes: the whole engine step (schedule, stage inputs, graph replay,
     sample, bookkeeping) against replaying its CUDA graph alone. The difference is host time the GPU
-    waits through. `profile` prints the kernels of 8 replays by GPU time."""
+    waits through. `profile` prints the host's functions over the steps (cProfile) and the kernels of 8
+    replays by GPU time."""
     from quantship.engine.sampling_params import SamplingParams
 
     engine = ready_engine(model, config)
@@ -408,6 +409,18 @@ def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = Fal
         engine.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / steps
+    if profile:  # the host's share of a step: what it runs while the GPU waits for the next replay
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        print(f"batch {batch}: host functions of {steps} engine steps", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     graphs = engine.runner.graphs
     replay_s = None
     if graphs is not None and graphs.graphs:
@@ -435,8 +448,9 @@ def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = Fal
 
 
 def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
-    """Print the kernels of one batch-1 prefill of `prompt_len` tokens by GPU time, and its wall time:
-    a wall time well above the kernels' sum is host time the GPU waited through."""
+    """Print the host's functions (cProfile) and the kernels by GPU time of one batch-1 prefill of
+    `prompt_len` tokens, and its wall time: a wall time well above the kernels' sum is host time the GPU
+    waited through."""
     from torch.profiler import ProfilerActivity, profile as profiler
 
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len)).tolist()
@@ -444,6 +458,15 @@ def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
         config = replace(config, max_num_batched_tokens=prompt_len, max_model_len=prompt_len + 8)
     time_engine(model, prompt, 1, config)
     wall = time_engine(model, prompt, 1, config)
+    import cProfile
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    time_engine(model, prompt, 1, config)
+    host.disable()
+    print(f"{label}: host functions of a {prompt_len}-token prefill", flush=True)
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
     with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         time_engine(model, prompt, 1, config)
     events = prof.key_averages()
@@ -572,7 +595,8 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
     "": {"the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"27 layers, the code now: MLA's decode attention split over the keys": "_split_attention",
+    "_v2-lite": {"27 layers, the code now: MLA's cache write in one kernel": "_latent_write",
+                 "27 layers, MLA's decode attention split over the keys": "_split_attention",
                  "27 layers, shared experts folded into the routed stacks, slot GEMV in bf16 pairs chosen by all "
                  "slots": "_bf16x2",
                  "27 layers, routing in one kernel, slot GEMV to 0.75 slots per expert, packed experts "
