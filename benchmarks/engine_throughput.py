@@ -592,7 +592,9 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"the table now (second sweep's winners)": "_final",
+    "": {"the code now: the same table; decode attention splits its keys where that pays (not at these contexts)":
+         "_split_attention",
+         "the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
     "_v2-lite": {"27 layers, the code now: MLA's cache write in one kernel": "_latent_write",
