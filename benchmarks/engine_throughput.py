@@ -391,6 +391,19 @@ def kernels_text(w: dict) -> str:
             "+ cuBLAS; kernels.wna16, see the kernel section below)")
 
 
+def print_host_functions(title: str, work) -> None:
+    """Run work() under cProfile and print the 30 functions with the most time of their own."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    work()
+    profiler.disable()
+    print(title, flush=True)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
 def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = False) -> dict:
     """Where a decode step's time goes: the whole engine step (schedule, stage inputs, graph replay,
     sample, bookkeeping) against replaying its CUDA graph alone. The difference is host time the GPU
@@ -410,17 +423,12 @@ def step_anatomy(model, config, batch: int, steps: int = 32, profile: bool = Fal
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / steps
     if profile:  # the host's share of a step: what it runs while the GPU waits for the next replay
-        import cProfile
-        import pstats
+        def run_steps():
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
 
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        profiler.disable()
-        print(f"batch {batch}: host functions of {steps} engine steps", flush=True)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        print_host_functions(f"batch {batch}: host functions of {steps} engine steps", run_steps)
     graphs = engine.runner.graphs
     replay_s = None
     if graphs is not None and graphs.graphs:
@@ -458,15 +466,8 @@ def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
         config = replace(config, max_num_batched_tokens=prompt_len, max_model_len=prompt_len + 8)
     time_engine(model, prompt, 1, config)
     wall = time_engine(model, prompt, 1, config)
-    import cProfile
-    import pstats
-
-    host = cProfile.Profile()
-    host.enable()
-    time_engine(model, prompt, 1, config)
-    host.disable()
-    print(f"{label}: host functions of a {prompt_len}-token prefill", flush=True)
-    pstats.Stats(host).sort_stats("tottime").print_stats(30)
+    print_host_functions(f"{label}: host functions of a {prompt_len}-token prefill",
+                         lambda: time_engine(model, prompt, 1, config))
     with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         time_engine(model, prompt, 1, config)
     events = prof.key_averages()

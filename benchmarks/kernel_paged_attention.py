@@ -7,7 +7,7 @@ Then here: .venv/bin/python benchmarks/kernel_paged_attention.py render
 Each (shape, batch, context) is timed as CUDA-graph replays, every sequence `context` keys long and its
 key axis padded to the engine's graph bucket (the next power of two from 256), as a captured decode step
 sees it. Variants: one split (the kernel as it was: a program per sequence and head block walks every
-key) and the split `paged_attention.key_splits` chooses; the split's output is checked against the
+key) and the split `paged_attention.split_plan` chooses; the split's output is checked against the
 unsplit one first. Bytes = the cache entries the step reads; the roofline is those bytes at the copy
 bandwidth measured in the same run.
 """
@@ -33,7 +33,7 @@ SHAPES = {
 BATCHES = (1, 8, 64)
 CONTEXTS = (128, 1024, 4096)
 RESULT = "kernel_paged_attention.json"
-H200_SMS = 132
+EARLIER = "kernel_paged_attention_split_everywhere.json"  # the run before MIN_BLOCKS_SAVED: split wherever programs were few
 
 
 def bucket(context: int) -> int:
@@ -45,7 +45,7 @@ def bucket(context: int) -> int:
 
 
 def case(shape: str, batch: int, context: int):
-    """(call(splits) → output, bytes read) for one random decode step."""
+    """(call(splits) → output, the splits the wrapper chooses, bytes read) for one random decode step."""
     from quantship.kernels import paged_attention
 
     kind, heads, a, b = SHAPES[shape]
@@ -61,17 +61,18 @@ def case(shape: str, batch: int, context: int):
     else:
         def call(splits):
             return paged_attention.decode_attention(q, cache, key_slots, lengths, a, b ** -0.5, splits=splits)
-    return call, splits_for(shape, batch, context, torch.cuda.get_device_properties(0).multi_processor_count), \
-        batch * context * width * 2
+    chosen = splits_for(shape, batch, context, torch.cuda.get_device_properties(0).multi_processor_count)
+    return call, chosen, batch * context * width * 2
 
 
 def splits_for(shape: str, batch: int, context: int, sms: int) -> int:
-    """The split the wrappers choose for this case (their key blocks: MLA's 32 at rank 512, Llama's 64)."""
+    """The splits the wrappers choose for this case (recorded beside the timing)."""
     from quantship.kernels import paged_attention
 
     kind, heads, a, _ = SHAPES[shape]
-    programs = batch * (-(-heads // 16) if kind == "mla" else a)
-    return paged_attention.key_splits(bucket(context), 32 if kind == "mla" else 64, programs, sms)
+    programs = batch * (-(-heads // 16) if kind == "mla" else a)  # the wrappers' grid: head blocks of 16, K/V heads
+    block_n = paged_attention.mla_block_n(a) if kind == "mla" else 64
+    return paged_attention.split_plan(bucket(context), block_n, programs, sms)[0]
 
 
 def run(out: Path) -> None:
@@ -98,6 +99,14 @@ def run(out: Path) -> None:
     (out / RESULT).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def _rows(rows: list[dict]) -> list[list]:
+    return [[x["shape"], x["batch"], x["context"], x["splits"], f"{x['unsplit_us']:.1f}", f"{x['split_us']:.1f}",
+             f"{x['unsplit_us'] / x['split_us']:.2f}x", f"{x['roofline_us'] / x['split_us']:.0%}"] for x in rows]
+
+
+HEADER = ["shape", "batch", "context", "splits", "unsplit µs", "split µs", "split / unsplit speed", "split of roofline"]
+
+
 def render() -> None:
     from quantship.kernels import paged_attention
 
@@ -109,19 +118,27 @@ def render() -> None:
             f"`benchmarks/kernel_paged_attention.py` on {r['device']}: one decode step's attention over random "
             "bf16 caches, every sequence `context` keys long, its key axis padded to the engine's graph bucket; "
             "CUDA-graph replays, microseconds per call. Unsplit is the kernel as it was (a program per sequence "
-            "and head block walks all its keys); split is what `paged_attention.key_splits` chooses, plus the "
-            "launch that combines the splits. Roofline: the cache entries read at the copy bandwidth "
-            f"({r['copy_bandwidth'] / 1e12:.2f} TB/s, same run).", "",
-            table(["shape", "batch", "context", "splits timed", "unsplit µs", "split µs", "split / unsplit speed",
-                   "split of roofline", "splits the code now chooses"],
-                  [[x["shape"], x["batch"], x["context"], x["splits"], f"{x['unsplit_us']:.1f}", f"{x['split_us']:.1f}",
-                    f"{x['unsplit_us'] / x['split_us']:.2f}x", f"{x['roofline_us'] / x['split_us']:.0%}",
-                    splits_for(x["shape"], x["batch"], x["context"], H200_SMS)] for x in r["rows"]]), "",
-            "The run split wherever the programs were too few for the GPU. Where that measured slower (short "
-            "contexts, and batches whose programs nearly fill the GPU) the split did not spare enough key "
-            "blocks to pay for the combine, so the code now keeps the key axis whole unless the split spares "
-            f"{paged_attention.MIN_BLOCKS_SAVED} blocks per program at half the graph's key bucket (the shortest contexts "
-            "a bucket holds); the last column is its choice for each case."]
+            "and head block walks all its keys); split is what `paged_attention.split_plan` chooses (1: the key "
+            "axis stays whole, the same launch), plus the launch that combines the splits. Roofline: the cache "
+            f"entries read at the copy bandwidth ({r['copy_bandwidth'] / 1e12:.2f} TB/s, same run).", "",
+            table(HEADER, _rows(r["rows"]))]
+    earlier = RESULTS / EARLIER
+    if earlier.exists():
+        whole = {(x["shape"], x["batch"], x["context"]) for x in r["rows"] if x["splits"] == 1}
+        refused = [x for x in json.loads(earlier.read_text())["rows"]
+                   if x["splits"] > 1 and (x["shape"], x["batch"], x["context"]) in whole]
+        text += ["", "Why the plan keeps some key axes whole: an earlier run split wherever the programs were too "
+                 "few for the GPU, and where that measured slower (short contexts, batches whose programs nearly "
+                 "fill the GPU) the split did not spare enough key blocks to pay for the combine. The plan now "
+                 f"splits only where it spares {paged_attention.MIN_BLOCKS_SAVED} blocks per program at half the "
+                 "graph's key bucket (the shortest contexts a bucket holds). Those cases as the earlier run timed "
+                 "them split:", "", table(HEADER, _rows(refused))]
+        gained = [x for x in refused if x["split_us"] < x["unsplit_us"]]
+        if gained:
+            text += ["", "The rule gives up " + ", ".join(
+                f"{x['shape']} at batch {x['batch']} and {x['context']} keys ({x['unsplit_us'] / x['split_us']:.2f}x)"
+                for x in gained) + ": timed with every sequence at the bucket's full length, where at its shorter "
+                "half the extra splits would be empty."]
     update_section("kernel_paged_attention", "\n".join(text))
 
 

@@ -78,19 +78,23 @@ def test_split_keys_give_the_unsplit_result(splits):
         assert error < (1e-5 if DEVICE == "cpu" else 5e-3), (kernel.__name__, error.item())
 
 
-def test_key_splits_fill_the_gpu_and_stay_within_the_keys():
+def test_the_split_plan_fills_the_gpu_where_it_pays():
     """One V2-Lite head block at batch 1 is cut into as many splits as its key blocks allow (at most
     MAX_SPLITS); a batch that fills the GPU alone is not split, nor a bucket whose shorter half of
-    contexts the split would spare fewer than MIN_BLOCKS_SAVED blocks; 132 SMs."""
-    assert paged_attention.key_splits(256, 32, 1, 132) == 8  # MLA's first bucket: 1 block a split, 3 spared at 128
-    assert paged_attention.key_splits(4096, 32, 1, 132) == paged_attention.MAX_SPLITS
-    assert paged_attention.key_splits(4096, 32, 8, 132) == paged_attention.MAX_SPLITS
-    assert paged_attention.key_splits(4096, 32, 64, 132) == 5
-    assert paged_attention.key_splits(4096, 32, 512, 132) == 1
-    assert paged_attention.key_splits(1, 64, 1, 132) == 1
-    assert paged_attention.key_splits(256, 64, 1, 132) == 1  # Llama's first bucket: 2 blocks at 128, 1 spared
-    assert paged_attention.key_splits(256, 32, 64, 132) == 1  # 5 splits of 2 blocks: 2 spared at 128
-    assert paged_attention.key_splits(4096, 64, 256, 132) == 1  # 2 splits: the second is empty at 2048
+    contexts the split would spare fewer than MIN_BLOCKS_SAVED blocks; 132 SMs. (splits, keys per split)."""
+    plan = paged_attention.split_plan
+    assert plan(256, 32, 1, 132) == (8, 32)  # MLA's first bucket: a block a split, 3 spared at 128 keys
+    assert plan(4096, 32, 1, 132) == (paged_attention.MAX_SPLITS, 256)
+    assert plan(4096, 32, 8, 132) == (paged_attention.MAX_SPLITS, 256)
+    assert plan(4096, 32, 64, 132) == (5, 832)  # 26 blocks a split, the last split shorter
+    assert plan(1024, 64, 32, 132) == (8, 128)  # 9 wanted: 2 blocks a split makes 8
+    assert plan(4096, 32, 512, 132) == (1, 4096)
+    assert plan(1, 64, 1, 132) == (1, 64)
+    assert plan(256, 64, 1, 132) == (1, 256)  # Llama's first bucket: 2 blocks at 128 keys, 1 spared
+    assert plan(256, 32, 64, 132) == (1, 256)  # 5 splits of 2 blocks: 2 spared at 128 keys
+    assert plan(4096, 64, 256, 132) == (1, 4096)  # 2 splits: the second is empty at 2,048 keys
+    assert plan(256, 64, 1, 132, splits=3) == (2, 128)  # asked for 3: whole blocks make 2
+    assert plan(256, 32, 1, 132, splits=paged_attention.MAX_SPLITS) == (8, 32)
 
 
 def _decode_step_through_kernel_and_not(model, monkeypatch) -> list[torch.Tensor]:

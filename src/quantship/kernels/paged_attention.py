@@ -18,8 +18,8 @@ each program takes one sequence and a block of heads and reads the entries once,
 gather of the context and no expansion over heads; `mla_reference` is its plain form.
 
 Few sequences give few programs: V2-Lite's 16 heads at batch 1 are one program walking the whole
-context on one SM. Both kernels therefore split the key axis too (key_splits: enough parts to fill
-the GPU), each split keeping its own running softmax, and a second launch combines the splits of
+context on one SM. Both kernels therefore split the key axis too (enough parts to fill
+the GPU: split_plan), each split keeping its own running softmax, and a second launch combines the splits of
 each row (flash-decoding's reduction).
 """
 
@@ -49,7 +49,7 @@ def reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, len
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
                      kv_heads: int, scale: float, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
-    """[S, H, D] in q's dtype, through the Triton kernel; `splits` of the key axis (default key_splits')."""
+    """[S, H, D] in q's dtype, through the Triton kernel; `splits` of the key axis (default: split_plan's)."""
     import triton
 
     from quantship.kernels._paged_attention_triton import paged_decode_kernel
@@ -58,7 +58,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tens
     group = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)  # after .contiguous(): empty_like keeps a transposed q's strides
-    splits, keys_per_split = _split_keys(key_slots.shape[1], block_n, s * kv_heads, q.device, splits)
+    splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * kv_heads, _sm_count(q.device), splits)
     part, stats = _split_buffers(s * heads, splits, dim, q.device)
     paged_decode_kernel[(s, kv_heads, splits)](
         q, cache, key_slots, lengths, out, part, stats, key_slots.stride(0), cache.shape[1], scale, keys_per_split,
@@ -86,7 +86,7 @@ def mla_reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor,
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
                          rank: int, scale: float, block_h: int = 16, splits: int | None = None) -> torch.Tensor:
-    """[S, H, rank] in q's dtype, through the Triton kernel; `splits` of the key axis (default key_splits')."""
+    """[S, H, rank] in q's dtype, through the Triton kernel; `splits` of the key axis (default: split_plan's)."""
     import triton
 
     from quantship.kernels._paged_attention_triton import paged_mla_decode_kernel
@@ -96,10 +96,9 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.
     q = q.contiguous()
     out = torch.empty(s, heads, rank, dtype=q.dtype, device=q.device)
     block_r = max(16, triton.next_power_of_2(rank))
-    # Keep a tile of latent entries (BLOCK_N x rank) within what the pipeline stages can hold in shared memory.
-    block_n = 32 if block_r >= 512 else 64
+    block_n = mla_block_n(rank)
     head_blocks = triton.cdiv(heads, block_h)
-    splits, keys_per_split = _split_keys(key_slots.shape[1], block_n, s * head_blocks, q.device, splits)
+    splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * head_blocks, _sm_count(q.device), splits)
     part, stats = _split_buffers(s * heads, splits, rank, q.device)
     paged_mla_decode_kernel[(s, head_blocks, splits)](
         q, cache, key_slots, lengths, out, part, stats, key_slots.stride(0), cache.shape[1], heads, scale,
@@ -117,43 +116,34 @@ MAX_SPLITS = 16  # the combine holds every split of a row at once
 MIN_BLOCKS_SAVED = 3
 
 
-def key_splits(key_len: int, block_n: int, programs: int, sms: int) -> int:
-    """How many parts the key axis (padded to key_len) is cut into, in whole blocks of block_n: enough
-    that `programs` (sequences x head blocks) times the splits fill PROGRAMS_PER_SM programs per SM.
-    Unsplit, a batch-1 decode is one program per head block walking every key alone (V2-Lite's 16
-    heads: one program on one SM). key_len is a CUDA graph's fixed key bucket, so a graph's split
-    never changes; splits past a sequence's length do nothing. A bucket holds contexts from half its
-    length, so the split must save MIN_BLOCKS_SAVED blocks there, or the key axis stays whole."""
-    blocks = -(-key_len // block_n)
-    wanted = -(-PROGRAMS_PER_SM * sms // max(programs, 1))
-    splits = max(1, min(MAX_SPLITS, blocks, wanted))
-    per_split = -(-blocks // splits)
-    half = -(-blocks // 2)
-    if half - min(per_split, half) < MIN_BLOCKS_SAVED:
-        return 1
-    return -(-blocks // per_split)
+def mla_block_n(rank: int) -> int:
+    """Keys per block of the MLA kernel: a tile of latent entries (block x rank) must stay within what
+    the pipeline stages can hold in shared memory."""
+    return 32 if rank > 256 else 64
 
 
-def _split_keys(key_len: int, block_n: int, programs: int, device: torch.device,
-                splits: int | None) -> tuple[int, int]:
-    """(splits, keys per split), the keys per split whole blocks."""
+def split_plan(key_len: int, block_n: int, programs: int, sms: int, splits: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split, whole blocks of block_n) of the key axis (padded to key_len). Without
+    `splits`: enough that `programs` (sequences x head blocks) times the splits fill PROGRAMS_PER_SM
+    programs per SM. Unsplit, a batch-1 decode is one program per head block walking every key alone
+    (V2-Lite's 16 heads: one program on one SM). key_len is a CUDA graph's fixed key bucket, so a
+    graph's split never changes; splits past a sequence's length do nothing. A bucket holds contexts
+    from half its length, so the split must spare MIN_BLOCKS_SAVED blocks per program there, or the key
+    axis stays whole."""
+    blocks = max(1, -(-key_len // block_n))
     if splits is None:
-        splits = key_splits(key_len, block_n, programs, _sm_count(device))
-    per_split = -(-max(key_len, 1) // splits)
-    per_split = -(-per_split // block_n) * block_n
-    return -(-max(key_len, 1) // per_split), per_split
-
-
-_SMS: dict[torch.device, int] = {}
+        wanted = -(-PROGRAMS_PER_SM * sms // max(programs, 1))
+        splits = max(1, min(MAX_SPLITS, blocks, wanted))
+        half = -(-blocks // 2)
+        if half - min(-(-blocks // splits), half) < MIN_BLOCKS_SAVED:
+            splits = 1
+    per_split = -(-blocks // splits)
+    return -(-blocks // per_split), per_split * block_n
 
 
 def _sm_count(device: torch.device) -> int:
     """The device's SMs (4 for the CPU under Triton's interpreter: small splits get tested there too)."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _split_buffers(rows: int, splits: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
