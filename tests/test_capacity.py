@@ -273,7 +273,7 @@ def test_engine_prefers_expandable_segments_on_cuda_unless_the_user_chose(monkey
 def test_planner_counts_the_largest_quantized_linear_dequantized(shapes):
     """kernels/wna16.py writes a packed Linear out dense past 64 rows (its table); the planner reserves
     the largest one (merged as served: gate and up together) once, and once more in the graph pool when
-    a decode graph has that many rows. Unquantized models have none."""
+    a graph (a decode, or prompt chunks) has that many rows. Unquantized models have none."""
     from quantship.kernels import wna16
 
     config = load_config(TINY_DIR)
@@ -286,8 +286,12 @@ def test_planner_counts_the_largest_quantized_linear_dequantized(shapes):
     small = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,
                                 find_gpu("H200"), True, served.dequantize_bytes)
     assert wna16.dequantizes_from() == 65
-    assert small.parts(64, 512)["dequantized_weight"] == served.dequantize_bytes
-    assert small.parts(65, 512)["dequantized_weight"] == 2 * served.dequantize_bytes
+    # graphs of prompt chunks take up to 512 padded tokens: past 64 rows even at batch 1
+    assert memory.graph_rows(config, torch.bfloat16, 1, 512, 16) == 512
+    assert small.parts(1, 512)["dequantized_weight"] == 2 * served.dequantize_bytes
+    on_cpu = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,
+                                 find_gpu("H200"), False, served.dequantize_bytes)
+    assert on_cpu.parts(64, 512)["dequantized_weight"] == served.dequantize_bytes  # no graphs, no pool
 
 
 def test_planner_counts_prefill_expert_chunks_and_the_float32_routers_the_engine_holds():
@@ -306,8 +310,13 @@ def test_planner_counts_prefill_expert_chunks_and_the_float32_routers_the_engine
     assert weight_memory(config, None, torch.bfloat16).expert_dequantize_bytes == 0  # bf16 experts: none
     overheads = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,
                                     find_gpu("H200"), True, 1, chunk)
-    assert overheads.parts(1, 512)["dequantized_weight"] == chunk  # the chunk, in place of the eager Linear
-    assert overheads.parts(65, 512)["dequantized_weight"] == chunk + 1  # plus a graph's dense Linear
+    # the chunk in place of the eager Linear, and once more in the graph pool: a graph of 512 padded
+    # tokens gives the bundled model's few experts 64 slots each, which dequantizes them
+    assert fused_moe.block_m_for(512 * config.num_experts_per_tok, config.n_routed_experts) == 64
+    assert overheads.parts(1, 512)["dequantized_weight"] == 2 * chunk
+    on_cpu = capacity._Overheads(config, torch.bfloat16, capacity.Request(model=str(TINY_DIR)), 0,
+                                 find_gpu("H200"), False, 1, chunk)
+    assert on_cpu.parts(65, 512)["dequantized_weight"] == chunk
     assert weight_memory(config, "W4A16", torch.float32).router_float32_bytes == 0
     w8a8 = weight_memory(config, "W8A8", torch.bfloat16)  # experts the fused kernels do not take: neither
     assert w8a8.router_float32_bytes == 0 and w8a8.expert_dequantize_bytes == 0

@@ -303,6 +303,75 @@ def test_the_graph_inputs_give_the_eager_step_logits(reference_dirs, name):
     torch.testing.assert_close(graphed[:3], eager, rtol=1e-9, atol=1e-9)
 
 
+def test_chunk_batch_built_on_the_device_equals_the_host_build():
+    """PagedBatch.for_prefill (what a graph of chunks replays) gives, at each sequence's real tokens, the
+    slots, positions, masks and key slots `build` gives; its padding writes into the scratch block alone
+    and sees key 0 only."""
+    from quantship.models.paged import PagedBatch
+
+    kv, block, scratch = [torch.zeros(40 * 4, 8)], 4, 39
+    tables = [[3, 7, 1, 2], [5, 6], [2, 9, 4, 8, 6], [0]]
+    starts, counts = [9, 0, 12, 2], [5, 7, 1, 1]
+    built, positions = PagedBatch.build(kv, tables, starts, counts, block, torch.device("cpu"), split=False)
+    queries, key_len, width = 8, 32, 8
+    padded = torch.tensor([t + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width])
+    made, made_positions = PagedBatch.for_prefill(kv, padded, torch.tensor(starts + [0]), torch.tensor(counts + [0]),
+                                                  block, queries, key_len, scratch)
+    real = made.query_valid.flatten()
+    assert made.query_valid[:4].sum(1).tolist() == counts and not made.query_valid[4].any()
+    assert torch.equal(made_positions[real], positions) and torch.equal(made.slots[real], built.slots)
+    assert torch.all(made.slots[~real] // block == scratch)  # padding writes no sequence's block
+    assert torch.equal(made.key_lengths[:4], built.key_lengths)
+    longest = built.mask.shape[-1]
+    assert torch.equal(made.mask[:4, 0, :, :longest][made.query_valid[:4]], built.mask[:, 0][built.query_valid])
+    assert not made.mask[:4, :, :, longest:].any()
+    padding = made.mask[:, 0][~made.query_valid]
+    assert padding[:, 0].all() and not padding[:, 1:].any()
+    for s, (start, count) in enumerate(zip(starts, counts)):
+        assert torch.equal(made.key_slots[s, :start + count], built.key_slots[s, :start + count])
+
+
+class _EagerGraph:
+    """A CUDA graph's stand-in on CPU: capture runs forward once, replay runs it again into the output."""
+
+    def __init__(self, forward):
+        self.forward, self.out = forward, forward()
+
+    def replay(self):
+        self.out.copy_(self.forward())
+
+
+def _eager_record(forward, device, pool):
+    graph = _EagerGraph(forward)
+    return graph, graph.out, pool
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("budget", [16, 256])
+def test_engine_with_graphs_of_every_step_matches_plain_loop(reference_dirs, monkeypatch, name, budget):
+    """The graphed steps (decode, and chunks padded to their buckets, several sequences at once, after
+    prefix-cache hits) replayed eagerly on CPU: greedy tokens identical to the plain loop; a step too
+    large for a graph of chunks runs eagerly."""
+    from quantship.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "record", _eager_record)
+    model = load_model(reference_dirs[name][0], DTYPE)
+    engine = LLMEngine(model, EngineConfig(block_size=4, max_num_batched_tokens=budget, max_num_seqs=8))
+    runner = engine.runner
+    runner.graphs = cuda_graphs.DecodeGraphs(model, runner.kv, 4, runner.kv[0].shape[0] // 4 - 1, 8, 256)
+    runner.prefill_graphs = cuda_graphs.PrefillGraphs(runner.graphs, 256)
+    # graphs of chunks up to 128 padded tokens here: with a budget of 16 every step is graphed
+    runner.prefill_graphs.shapes = {shape for shape in runner.prefill_graphs.shapes if shape[0] * shape[1] <= 128}
+    eager = []
+    real_build = cuda_graphs.PagedBatch.build
+    monkeypatch.setattr(cuda_graphs.PagedBatch, "build", lambda *a, **k: eager.append(1) or real_build(*a, **k))
+    assert_matches_reference(model, engine, staggered_prompts(model.config.vocab_size))
+    graphed = runner.prefill_graphs.graphs
+    assert any(size > 1 for size, _, _ in graphed) and len(graphed) >= 2
+    assert bool(eager) == (budget == 256)  # the 61-token prompt's chunk beside 3 running sequences: 4 x 64
+    assert runner.graphs.graphs
+
+
 CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 
 

@@ -26,7 +26,7 @@ from quantship.deploy.gpus import Gpu, cuda_overhead, find_gpu, gpu_of_memory
 from quantship.deploy.weights import LISTED, UNQUANTIZED, WeightMemory, active_parameters, weight_memory
 from quantship.engine import memory
 from quantship.errors import QuantshipError
-from quantship.kernels import wna16
+from quantship.kernels import fused_moe, wna16
 from quantship.models.config import ModelConfig
 from quantship.models.paged import cache_width, full_kv_width, kv_bytes_per_token
 
@@ -245,15 +245,20 @@ class _Overheads:
         c, d, r = self.config, self.dtype, self.req
         return {"activations": memory.peak_activation_bytes(c, d, r.max_num_batched_tokens, batch, context, self.cuda),
                 "cuda_graphs": memory.graph_pool_bytes(c, d, batch, context, r.block_size) if self.cuda else 0,
-                "int4_decode_copies": self.copies, "dequantized_weight": self._dequantized(batch),
+                "int4_decode_copies": self.copies, "dequantized_weight": self._dequantized(batch, context),
                 "allocator_slack": self.slack}
 
-    def _dequantized(self, batch: int) -> int:
+    def _dequantized(self, batch: int, context: int) -> int:
         """The largest quantized Linear written out dense by a step (kernels/wna16.py from
         dequantizes_from() rows on; QuantLinear at any size): one for eager prefill chunks, and on CUDA
-        one more held in the graph pool once a decode graph has that many rows. An eager prefill step's
-        chunk of packed routed experts (kernels/fused_moe.py) takes the eager one's place where larger."""
-        pooled = self.dequantize if self.cuda and batch >= wna16.dequantizes_from() else 0
+        one more held in the graph pool once a graph (of a decode, or of chunks with their padding) has
+        that many rows. An eager prefill step's chunk of packed routed experts (kernels/fused_moe.py)
+        takes the eager one's place where larger, and in the pool too where a graph has the slots for it."""
+        rows = memory.graph_rows(self.config, self.dtype, batch, context, self.req.block_size) if self.cuda else 0
+        pooled = self.dequantize if rows >= wna16.dequantizes_from() else 0
+        c = self.config
+        if self.expert_chunk and fused_moe.block_m_for(rows * c.num_experts_per_tok, c.n_routed_experts) > 16:
+            pooled = max(pooled, self.expert_chunk)
         return max(self.dequantize, self.expert_chunk) + pooled
 
     def __call__(self, batch: int, context: int) -> int:

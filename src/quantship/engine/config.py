@@ -21,7 +21,9 @@ class EngineConfig:
     memory_bytes: int | None = None
     kv_cache_fraction: float = 0.85
     enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # replay decode steps as CUDA graphs where the model allows (GPU only)
+    # Replay decode steps, and steps of prompt chunks up to 512 padded tokens, as CUDA graphs where the
+    # model allows (GPU only; engine/cuda_graphs.py).
+    cuda_graphs: bool = True
     # Count the tokens routed to each expert of each MoE layer (exported as a metric). Decode steps then
     # run eagerly: a graph's padding rows would be counted as tokens.
     expert_stats: bool = False

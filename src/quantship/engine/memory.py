@@ -205,16 +205,30 @@ def peak_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batch
 
 
 def graph_pool_bytes(config: ModelConfig, dtype: torch.dtype, max_seqs: int, max_len: int, block_size: int) -> int:
-    """CUDA graphs of decode steps (engine/cuda_graphs.py), every bucket captured: each graph keeps its
-    staged input rows [size, 2 + blocks] and its logits; the temporaries of the largest one (the batch
-    it derives on the device and the step) are shared through the pool."""
-    from quantship.engine.cuda_graphs import buckets
+    """CUDA graphs (engine/cuda_graphs.py), every bucket captured: each decode graph keeps its staged
+    input rows [size, 2 + blocks] and its logits, each graph of chunks its staged rows, and all of them
+    one logits buffer; the temporaries of the largest graph (decode or chunks: the batch it derives on
+    the device and the step) are shared through the pool."""
+    from quantship.engine import cuda_graphs
 
-    seq_buckets, key_buckets = buckets(max_seqs, 1), buckets(max_len, max(256, block_size))
+    seq_buckets, key_buckets = cuda_graphs.buckets(max_seqs, 1), cuda_graphs.key_buckets(max_len, block_size)
     static = sum(size * ((2 + -(-key_len // block_size)) * INT64 + config.vocab_size * dtype.itemsize)
                  for size in seq_buckets for key_len in key_buckets)
-    largest = step_activation_bytes(config, dtype, seq_buckets[-1], 1, key_buckets[-1], cuda=True)
+    chunks = cuda_graphs.prefill_shapes(config, dtype, max_len, block_size)
+    static += sum(size * (2 + queries + -(-key_len // block_size)) * INT64 for size, queries, key_len in chunks)
+    static += cuda_graphs.PREFILL_GRAPH_SEQS * config.vocab_size * dtype.itemsize
+    largest = max([step_activation_bytes(config, dtype, seq_buckets[-1], 1, key_buckets[-1], cuda=True)] +
+                  [step_activation_bytes(config, dtype, *shape, cuda=True) for shape in chunks])
     return static + largest
+
+
+def graph_rows(config: ModelConfig, dtype: torch.dtype, max_seqs: int, max_len: int, block_size: int) -> int:
+    """The most token rows one captured graph computes: a decode of max_seqs, or the largest graph of
+    chunks (padding included); a packed Linear past wna16's table then holds a dense copy in the pool."""
+    from quantship.engine import cuda_graphs
+
+    chunks = cuda_graphs.prefill_shapes(config, dtype, max_len, block_size)
+    return max([max_seqs] + [size * queries for size, queries, _ in chunks])
 
 
 def int4_decode_copy(name: str, module: torch.nn.Module) -> int:

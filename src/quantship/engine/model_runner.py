@@ -7,7 +7,7 @@ import logging
 import torch
 
 from quantship.engine import memory
-from quantship.engine.cuda_graphs import DecodeGraphs
+from quantship.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from quantship.engine.sequence import Sequence
 from quantship.models.causal_lm import CausalLM
 from quantship.models.merged import merge_projections
@@ -37,9 +37,10 @@ class ModelRunner:
         if expert_stats:
             for moe in self.moe_layers.values():
                 moe.expert_tokens = torch.zeros(len(moe.experts), dtype=torch.long, device=self.device)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if cuda_graphs and not (expert_stats and self.moe_layers) and DecodeGraphs.supported(model):
             self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, max_seqs, max_len)
+            self.prefill_graphs = PrefillGraphs(self.graphs, max_len)
 
     def expert_tokens(self) -> dict[int, list[int]] | None:
         """Tokens routed to each expert so far, by decoder layer; None unless expert_stats is on."""
@@ -47,30 +48,42 @@ class ModelRunner:
         return {i: c.tolist() for i, c in counts.items()} or None
 
     def capture_graphs(self, max_seqs: int | None = None, max_key_len: int | None = None) -> int:
-        """Capture decode graphs before the first request (see DecodeGraphs.capture); 0 without them.
-        A model whose step cannot be captured serves eagerly, as in run(); running out of memory is raised."""
+        """Capture graphs before the first request: decode (DecodeGraphs.capture) and one sequence's
+        chunks (PrefillGraphs.capture); 0 without them. A model whose steps cannot be captured serves
+        eagerly, as in run(); running out of memory is raised."""
         if self.graphs is None:
             return 0
+        added = self._graphed("graphs", lambda graphs: graphs.capture(max_seqs, max_key_len)) or 0
+        if self.prefill_graphs is not None:
+            added += self._graphed("prefill_graphs", lambda graphs: graphs.capture(max_key_len)) or 0
+        return added
+
+    def _graphed(self, kind: str, call):
+        """call(the graphs of this kind); on a failure that is not running out of memory, that kind of step
+        runs eagerly from now on (None is returned), with a warning."""
         try:
-            return self.graphs.capture(max_seqs, max_key_len)
+            return call(getattr(self, kind))
         except RuntimeError as error:
             if memory.out_of_memory(error):  # serving eagerly would run out at the first busy step instead
                 raise torch.OutOfMemoryError(str(error)) from error
-            log.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(error).splitlines()[0])
-            self.graphs = None
-            return 0
+            steps = "decode steps" if kind == "graphs" else "steps of prompt chunks"
+            log.warning("CUDA graph capture failed (%s); %s run eagerly", str(error).splitlines()[0], steps)
+            setattr(self, kind, None)
+            if kind == "graphs":  # the chunk graphs share the decode graphs' pool
+                self.prefill_graphs = None
+            return None
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the scheduled tokens; logits [S', V] for the sequences whose chunk reached their end."""
         if self.graphs is not None and self.graphs.fits(scheduled):
-            try:
-                return [seq for seq, _ in scheduled], self.graphs.run(scheduled)
-            except RuntimeError as error:  # a model whose step cannot be captured serves eagerly instead
-                if memory.out_of_memory(error):
-                    raise
-                log.warning("CUDA graph capture failed (%s); decode steps run eagerly", str(error).splitlines()[0])
-                self.graphs = None
+            logits = self._graphed("graphs", lambda graphs: graphs.run(scheduled))
+            if logits is not None:
+                return [seq for seq, _ in scheduled], logits
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(scheduled):
+            made = self._graphed("prefill_graphs", lambda graphs: graphs.run(scheduled))
+            if made is not None:
+                return made
         starts = [seq.num_computed for seq, _ in scheduled]
         counts = [count for _, count in scheduled]
         ids = [t for (seq, count), start in zip(scheduled, starts) for t in seq.token_ids[start:start + count]]

@@ -200,6 +200,29 @@ class PagedBatch:
                     mask, lengths.to(torch.int32))
         return batch, positions
 
+    @classmethod
+    def for_prefill(cls, kv: list[torch.Tensor], tables: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                    block_size: int, queries: int, key_len: int, scratch_block: int) -> tuple[PagedBatch, torch.Tensor]:
+        """The batch of a step of chunks made from device tensors alone, at fixed shapes for a CUDA graph:
+        sequence s computes `counts[s]` tokens from `starts[s]`, its tokens padded to `queries`, so the
+        flat tokens are [S * queries] row by row (padding included: it is computed, and written into the
+        scratch block). Padding queries sit at position 0 and see key 0 alone, as in `build`; a padding
+        row (count 0) has only padding. Needs starts + counts <= key_len."""
+        s, width = tables.shape
+        device = tables.device
+        qpos = torch.arange(queries, device=device)
+        valid = qpos[None, :] < counts[:, None]
+        query_positions = torch.where(valid, starts[:, None] + qpos, 0)
+        kpos = torch.arange(key_len, device=device)
+        blocks = tables.gather(1, (kpos // block_size).clamp(max=width - 1).expand(s, -1))
+        key_slots = blocks * block_size + kpos % block_size
+        mask = (kpos[None, None, :] <= query_positions[:, :, None])[:, None]
+        scratch = scratch_block * block_size + qpos % block_size
+        slots = torch.where(valid, key_slots.gather(1, query_positions), scratch).flatten()
+        flat = torch.arange(s * queries, device=device)
+        batch = cls(kv, slots, flat.view(s, queries), valid, flat, key_slots, mask, (starts + counts).to(torch.int32))
+        return batch, query_positions.flatten()
+
 
 def _runs(counts: list[int]) -> list[tuple[int, int]]:
     """[i, j) ranges of consecutive sequences that all decode (count 1) or all prefill (count > 1)."""

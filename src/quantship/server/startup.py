@@ -4,7 +4,8 @@
     load_weights          reading the checkpoint into the engine's memory (it has a fixed part too: building
                           the layers imports parts of torch the first time)
     build_cache           sizing and allocating the KV cache, stacking MoE experts for the fused kernels
-    capture_cuda_graphs   decode graphs for every batch bucket at the first key-length bucket (CUDA only)
+    capture_cuda_graphs   decode graphs for every batch bucket and one sequence's chunk graphs for every chunk
+                          bucket, at the first key-length bucket (CUDA only)
     warmup                one short request through prefill and decode: kernel compilation, cuBLAS
                           handles, int4 decode copies happen here instead of in a client's first token
     serve                 starting the HTTP server, until it answers
