@@ -388,8 +388,13 @@ class _FailingCapture:
     def __init__(self, message: str):
         self.message = message
 
-    def capture(self, max_seqs, max_key_len):
+    def capture(self, *limits):
         raise RuntimeError(self.message)
+
+
+class _Captures:
+    def capture(self, *limits):
+        return 3
 
 
 def test_graph_capture_out_of_memory_is_raised_other_failures_serve_eagerly(tiny):
@@ -402,6 +407,20 @@ def test_graph_capture_out_of_memory_is_raised_other_failures_serve_eagerly(tiny
     engine.runner.graphs = _FailingCapture("operation not permitted when stream is capturing")
     assert engine.runner.capture_graphs(4) == 0 and engine.runner.graphs is None
     assert run(engine, [[5, 6, 7]], 3) == {"0": list(generate_tokens(tiny[0], [5, 6, 7], 3))}  # it serves, eagerly
+
+
+def test_chunk_graphs_that_cannot_be_captured_leave_the_decode_graphs(tiny):
+    """Graphs of prompt chunks failing to capture: those steps run eagerly, decode graphs stay; out of
+    memory is raised, as for decode graphs."""
+    engine = LLMEngine(tiny[0], EngineConfig(num_blocks=64, max_num_seqs=4))
+    runner = engine.runner
+    runner.graphs, runner.prefill_graphs = _Captures(), _FailingCapture(CUBLAS_OOM)
+    with pytest.raises(torch.OutOfMemoryError, match="CUBLAS_STATUS_ALLOC_FAILED"):
+        runner.capture_graphs(4)
+    runner.prefill_graphs = _FailingCapture("operation not permitted when stream is capturing")
+    assert runner.capture_graphs(4) == 3 and runner.prefill_graphs is None and runner.graphs is not None
+    runner.graphs, runner.prefill_graphs = _FailingCapture("operation not permitted"), _Captures()
+    assert runner.capture_graphs(4) == 0 and runner.graphs is None is runner.prefill_graphs  # they share a pool
 
 
 def test_serve_that_runs_out_of_memory_at_start_up_says_what_to_lower(monkeypatch, capsys):
