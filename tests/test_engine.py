@@ -354,12 +354,12 @@ def test_engine_with_graphs_of_every_step_matches_plain_loop(reference_dirs, mon
     large for a graph of chunks runs eagerly."""
     from quantship.engine import cuda_graphs
 
-    monkeypatch.setattr(cuda_graphs, "record", _eager_record)
     model = load_model(reference_dirs[name][0], DTYPE)
-    engine = LLMEngine(model, EngineConfig(block_size=4, max_num_batched_tokens=budget, max_num_seqs=8))
+    engine = graphed_engine(monkeypatch, model, EngineConfig(block_size=4, max_num_batched_tokens=budget, max_num_seqs=8))
     runner = engine.runner
-    runner.graphs = cuda_graphs.DecodeGraphs(model, runner.kv, 4, runner.kv[0].shape[0] // 4 - 1, 8, 256)
-    runner.prefill_graphs = cuda_graphs.PrefillGraphs(runner.graphs, 256)
+    ahead = []
+    real_step_ahead = LLMEngine._step_ahead
+    monkeypatch.setattr(LLMEngine, "_step_ahead", lambda *a: ahead.append(1) or real_step_ahead(*a))
     # graphs of chunks up to 128 padded tokens here: with a budget of 16 every step is graphed
     runner.prefill_graphs.shapes = {shape for shape in runner.prefill_graphs.shapes if shape[0] * shape[1] <= 128}
     eager = []
@@ -369,7 +369,62 @@ def test_engine_with_graphs_of_every_step_matches_plain_loop(reference_dirs, mon
     graphed = runner.prefill_graphs.graphs
     assert any(size > 1 for size, _, _ in graphed) and len(graphed) >= 2
     assert bool(eager) == (budget == 256)  # the 61-token prompt's chunk beside 3 running sequences: 4 x 64
-    assert runner.graphs.graphs
+    assert runner.graphs.graphs and len(ahead) >= 5  # decode steps ran ahead of their tokens' reading
+
+
+def graphed_engine(monkeypatch, model, config: EngineConfig) -> LLMEngine:
+    """An engine on CPU with decode graphs and graphs of chunks, each replayed eagerly (_EagerGraph)."""
+    from quantship.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "record", _eager_record)
+    engine = LLMEngine(model, config)
+    runner = engine.runner
+    runner.graphs = cuda_graphs.DecodeGraphs(model, runner.kv, config.block_size,
+                                             runner.kv[0].shape[0] // config.block_size - 1, config.max_num_seqs,
+                                             engine.max_model_len)
+    runner.prefill_graphs = cuda_graphs.PrefillGraphs(runner.graphs, engine.max_model_len)
+    return engine
+
+
+def test_steps_run_ahead_give_what_steps_read_at_once_give(reference_dirs, monkeypatch):
+    """Decode steps launched before the previous tokens are read: stop tokens (the row computed past the
+    stop is dropped), seeded sampling, log-probabilities, max_tokens and an abort while a step is in flight
+    give exactly what an engine reading every step's tokens at once gives, and free every block."""
+    model = load_model(reference_dirs["deepseek_v3"][0], DTYPE)
+    prompts = staggered_prompts(model.config.vocab_size, seed=3)
+    greedy = {str(i): list(generate_tokens(model, p, 12)) for i, p in enumerate(prompts)}
+    kinds = [dict(stop_token_ids=[greedy["0"][4]]), dict(temperature=0.8, seed=5, logprobs=True),
+             dict(temperature=1.0, top_k=20, top_p=0.9, seed=1), dict(logprobs=True), dict(max_tokens=3), {}]
+
+    def serve(run_ahead: bool) -> tuple[dict, LLMEngine]:
+        config = EngineConfig(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, run_ahead=run_ahead)
+        engine = graphed_engine(monkeypatch, model, config)
+        got, step = {}, 0
+        for i, (prompt, kind) in enumerate(zip(prompts, kinds)):
+            engine.add_request(str(i), prompt, SamplingParams(**{"max_tokens": 12, **kind}))
+        while engine.has_unfinished():
+            for out in engine.step():
+                entry = got.setdefault(out.request_id, {"ids": [], "logprobs": [], "reason": None})
+                entry["ids"] += out.new_token_ids
+                entry["logprobs"] += out.logprobs
+                entry["reason"] = out.finish_reason
+            step += 1
+            if step == 8:
+                assert engine._ahead is not None or not run_ahead  # a step is in flight as the client leaves
+                engine.abort("5")
+        return got, engine
+
+    ahead, engine = serve(True)
+    at_once, _ = serve(False)
+    aborted, aborted_at_once = ahead.pop("5"), at_once.pop("5")
+    assert ahead == at_once
+    # the token in flight when the client left is never delivered: the aborted stream may be one short
+    assert aborted_at_once["ids"][:len(aborted["ids"])] == aborted["ids"] and len(aborted["ids"]) >= 2
+    assert aborted["reason"] == "abort"
+    assert ahead["0"]["ids"] == greedy["0"][:5] and ahead["0"]["reason"] == "stop"
+    assert len(ahead["4"]["ids"]) == 3 and len(ahead["1"]["logprobs"]) == 12
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
 
 
 CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"

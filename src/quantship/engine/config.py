@@ -24,6 +24,10 @@ class EngineConfig:
     # Replay decode steps, and steps of prompt chunks up to 512 padded tokens, as CUDA graphs where the
     # model allows (GPU only; engine/cuda_graphs.py).
     cuda_graphs: bool = True
+    # With decode graphs: launch each decode step before reading the previous one's tokens (the graph
+    # takes them on the device), so the host's bookkeeping between steps overlaps the GPU's work. A
+    # sequence that stops on a token computes one more row, dropped.
+    run_ahead: bool = True
     # Count the tokens routed to each expert of each MoE layer (exported as a metric). Decode steps then
     # run eagerly: a graph's padding rows would be counted as tokens.
     expert_stats: bool = False

@@ -147,8 +147,9 @@ class DecodeGraphs:
         return added
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Logits [S, V] of a decode-only step."""
+    def run(self, scheduled: list[tuple[Sequence, int]], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, V] of a decode-only step; `tokens` [S] on the device in place of each sequence's last
+        token (the previous step's, not read on the host yet)."""
         n = len(scheduled)
         size = next(b for b in self.seq_buckets if b >= n)
         key_len = next(b for b in self.key_buckets if b >= max(seq.num_tokens for seq, _ in scheduled))
@@ -156,6 +157,8 @@ class DecodeGraphs:
             self.graphs[(size, key_len)] = self._capture(size, key_len)
         graph, staged, logits = self.graphs[(size, key_len)]
         staged.copy_(stage_rows(scheduled, size, staged.shape[1] - 2, self.scratch))
+        if tokens is not None:
+            staged[:n, 0].copy_(tokens)
         graph.replay()
         return logits[:n]
 

@@ -12,8 +12,9 @@ import torch
 from quantship.engine import memory
 from quantship.engine.block_manager import BlockManager
 from quantship.engine.config import EngineConfig
+from quantship.engine.inflight import PENDING, InFlight
 from quantship.engine.model_runner import ModelRunner
-from quantship.engine.sampler import sample
+from quantship.engine.sampler import draw_tokens, read_tokens
 from quantship.engine.sampling_params import SamplingParams
 from quantship.engine.scheduler import QueueFull, Scheduler
 from quantship.engine.sequence import RequestMetrics, Sequence, Status
@@ -80,6 +81,7 @@ class LLMEngine:
         self.prompt_tokens = self.generation_tokens = 0
         self.first_token_at: float | None = None  # monotonic time of the first token generated (cold start)
         self._pending: list[RequestOutput] = []  # outputs produced outside step (aborts, timeouts)
+        self._ahead: InFlight | None = None  # the decode step whose tokens are not read yet (run_ahead)
 
     def _default_blocks(self, config: EngineConfig, per_token: int) -> int:
         device = self.model.model.embed_tokens.weight.device
@@ -149,7 +151,7 @@ class LLMEngine:
         for seq in list(self.sequences.values()):
             self._finish(seq, "abort")
         self.texts.clear()
-        self._pending = []
+        self._pending, self._ahead = [], None
         return dropped
 
     def has_unfinished(self) -> bool:
@@ -169,26 +171,78 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._expire(time.monotonic())
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # the scheduler sees each sequence with its token in flight
+            for seq in ahead.seqs:
+                if seq.status is not Status.FINISHED:
+                    seq.token_ids.append(PENDING)
         scheduled = self.scheduler.schedule()
+        if ahead is not None:
+            if self._follows(ahead, scheduled):
+                return outputs + self._step_ahead(ahead, scheduled)
+            outputs += self._settle(ahead)
+            scheduled = [(seq, count) for seq, count in scheduled if seq.status is not Status.FINISHED]
         if not scheduled:
             return outputs
         # A prompt found whole in the prefix cache still computes its last token: a (short) prefill.
         prefills = [(seq, count) for seq, count in scheduled if seq.is_prefilling or seq.metrics.first_token is None]
+        graphed_decode = self.runner.graphs is not None and self.runner.graphs.fits(scheduled)
         started = time.monotonic()
         finished_chunks, logits = self.runner.run(scheduled)
         for seq, count in scheduled:
             seq.num_computed += count
             self.blocks.register_full_blocks(seq)
-        if logits is not None:
-            tokens, logprobs = sample(logits, [s.params for s in finished_chunks],
-                                      [s.generator_on(logits.device) for s in finished_chunks],
-                                      [s.params.logprobs for s in finished_chunks])
+        drawn = self._draw(finished_chunks, logits) if logits is not None else None
         now = time.monotonic()
         for seq, count in prefills:
             seq.metrics.prefill_chunks.append((started, now, count))
-        if logits is not None:
+        if drawn is not None and self.config.run_ahead and graphed_decode and not prefills:  # first tokens: now
+            self._ahead = InFlight.start(finished_chunks, *drawn, [s.params.logprobs for s in finished_chunks])
+        elif drawn is not None:
+            tokens, logprobs = read_tokens(*drawn, [s.params.logprobs for s in finished_chunks])
             for seq, token, logprob in zip(finished_chunks, tokens, logprobs):
                 outputs.append(self._append(seq, token, logprob, now))
+        return outputs
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draw_tokens(logits, [s.params for s in seqs], [s.generator_on(logits.device) for s in seqs],
+                           [s.params.logprobs for s in seqs])
+
+    def _follows(self, ahead: InFlight, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether this step can run before the tokens in flight are read: the same sequences decoding
+        again, in the same order, through a graph, and none of them ended by length by its token in
+        flight (an end by a stop token is seen only later: that sequence's row of this step is dropped)."""
+        return (len(scheduled) == len(ahead.seqs) and self.runner.graphs is not None
+                and all(s is seq and count == 1 and seq.status is Status.RUNNING
+                        and len(seq.output_ids) + 1 < seq.params.max_tokens and seq.num_tokens < self.max_model_len
+                        for (s, count), seq in zip(scheduled, ahead.seqs))
+                and self.runner.graphs.fits(scheduled))
+
+    def _step_ahead(self, ahead: InFlight, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """Launch this decode step on the tokens in flight (read by its graph on the device), start its own
+        tokens on their way, then read the previous step's."""
+        seqs = [seq for seq, _ in scheduled]
+        _, logits = self.runner.run(scheduled, ahead.tokens)
+        self._ahead = InFlight.start(seqs, *self._draw(seqs, logits), [s.params.logprobs for s in seqs])
+        outputs = self._settle(ahead)
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                seq.num_computed += 1
+                self.blocks.register_full_blocks(seq)  # after _settle: its blocks hold real tokens now
+        return outputs
+
+    def _settle(self, ahead: InFlight) -> list[RequestOutput]:
+        """Read the tokens in flight and give them to their sequences (in place of PENDING), with the
+        stops and outputs of any step; sequences that finished meanwhile (aborted, expired) get none."""
+        tokens, logprobs = ahead.read()
+        now = time.monotonic()
+        outputs = []
+        for seq, token, logprob in zip(ahead.seqs, tokens, logprobs):
+            if seq.status is Status.FINISHED:
+                continue
+            assert seq.token_ids[-1] == PENDING
+            seq.token_ids.pop()
+            outputs.append(self._append(seq, token, logprob, now))
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, now: float) -> RequestOutput:

@@ -74,10 +74,13 @@ class ModelRunner:
             return None
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Compute the scheduled tokens; logits [S', V] for the sequences whose chunk reached their end."""
+    def run(self, scheduled: list[tuple[Sequence, int]],
+            tokens: torch.Tensor | None = None) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Compute the scheduled tokens; logits [S', V] for the sequences whose chunk reached their end.
+        `tokens` [S] on the device: a decode step's input tokens, still in flight (the sequences hold
+        PENDING in their place), which its graph reads on the device."""
         if self.graphs is not None and self.graphs.fits(scheduled):
-            logits = self._graphed("graphs", lambda graphs: graphs.run(scheduled))
+            logits = self._graphed("graphs", lambda graphs: graphs.run(scheduled, tokens))
             if logits is not None:
                 return [seq for seq, _ in scheduled], logits
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(scheduled):
@@ -87,6 +90,8 @@ class ModelRunner:
         starts = [seq.num_computed for seq, _ in scheduled]
         counts = [count for _, count in scheduled]
         ids = [t for (seq, count), start in zip(scheduled, starts) for t in seq.token_ids[start:start + count]]
+        if tokens is not None:  # the graph failed: the tokens in flight come in through the host
+            ids = tokens.tolist()
         batch, positions = PagedBatch.build(self.kv, [seq.block_table for seq, _ in scheduled], starts, counts,
                                             self.block_size, self.device)
         hidden = self.model.hidden_states(torch.tensor([ids], device=self.device), positions, batch)[0]

@@ -1,7 +1,8 @@
 """Draw the next token of every sequence in the step from its logits row, on the logits' device.
 
 Everything stays on the device (greedy argmax, temperature, top-k, top-p, seeded draws, log-probs);
-the step's only host synchronisation is the one read of the chosen token ids (and log-probs).
+the step's only host synchronisation is the one read of the chosen token ids (and log-probs), which
+a step run ahead (engine.py) makes after launching the next step.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return draw(logits, params.temperature, params.top_p, params.top_k, generator)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           want_logprobs: list[bool]) -> tuple[list[int], list[float | None]]:
-    """logits [S, V] → one token per row and, where asked, its log-probability under the model."""
+def draw_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                want_logprobs: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [S, V] → (token per row [S], on the device; log-probabilities of the rows that want them,
+    in row order, or None): nothing read on the host."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)  # one vectorised pass serves every greedy row
     drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
@@ -27,7 +29,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         tokens[drawn] = torch.stack([sample_row(logits[i], params[i], generators[i]) for i in drawn])
     rows = [i for i, want in enumerate(want_logprobs) if want]
     chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows, None])[:, 0] if rows else None
-    logprobs: list[float | None] = [None] * len(params)
+    return tokens, chosen
+
+
+def read_tokens(tokens: torch.Tensor, chosen: torch.Tensor | None,
+                want_logprobs: list[bool]) -> tuple[list[int], list[float | None]]:
+    """draw_tokens' tensors (on any device, or their host copies) as lists: a log-probability per row,
+    None where it was not asked for."""
+    logprobs: list[float | None] = [None] * len(want_logprobs)
+    rows = [i for i, want in enumerate(want_logprobs) if want]
     for i, value in zip(rows, chosen.tolist() if chosen is not None else []):
         logprobs[i] = value
     return tokens.tolist(), logprobs
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           want_logprobs: list[bool]) -> tuple[list[int], list[float | None]]:
+    """logits [S, V] → one token per row and, where asked, its log-probability under the model."""
+    return read_tokens(*draw_tokens(logits, params, generators, want_logprobs), want_logprobs)
