@@ -372,6 +372,29 @@ def test_engine_with_graphs_of_every_step_matches_plain_loop(reference_dirs, mon
     assert runner.graphs.graphs and len(ahead) >= 5  # decode steps ran ahead of their tokens' reading
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation exists only with a device")
+def test_a_decode_step_run_ahead_never_waits_for_the_gpu(reference_dirs, monkeypatch):
+    """From the step's start to reading the previous step's tokens (the one wait it has): staging the
+    graph's input, taking the tokens in flight, replaying, sampling (greedy, drawn, log-probs) and starting
+    the copies home never synchronise with the GPU."""
+    model = load_model(reference_dirs["llama"][0], torch.float32, device="cuda")
+    engine = LLMEngine(model, EngineConfig(block_size=4, max_num_batched_tokens=32))
+    kinds = [{}, dict(temperature=0.7, seed=1, logprobs=True), dict(temperature=1.0, top_k=5, top_p=0.9)]
+    for i, kind in enumerate(kinds):
+        engine.add_request(str(i), [5 + i] * 6, SamplingParams(max_tokens=20, ignore_eos=True, **kind))
+    for _ in range(4):  # the prefill, then decode steps until one is in flight
+        engine.step()
+    assert engine._ahead is not None
+    settle = engine._settle
+    monkeypatch.setattr(engine, "_settle", lambda ahead: torch.cuda.set_sync_debug_mode("default") or settle(ahead))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(outputs) == 3 and engine._ahead is not None
+
+
 def graphed_engine(monkeypatch, model, config: EngineConfig) -> LLMEngine:
     """An engine on CPU with decode graphs and graphs of chunks, each replayed eagerly (_EagerGraph)."""
     from quantship.engine import cuda_graphs

@@ -156,11 +156,21 @@ class DecodeGraphs:
         if (size, key_len) not in self.graphs:
             self.graphs[(size, key_len)] = self._capture(size, key_len)
         graph, staged, logits = self.graphs[(size, key_len)]
-        staged.copy_(stage_rows(scheduled, size, staged.shape[1] - 2, self.scratch))
+        upload(stage_rows(scheduled, size, staged.shape[1] - 2, self.scratch), staged)
         if tokens is not None:
             staged[:n, 0].copy_(tokens)
         graph.replay()
         return logits[:n]
+
+
+def upload(rows: torch.Tensor, staged: torch.Tensor) -> None:
+    """Host rows into a graph's input without waiting for the GPU: through pinned memory, non-blocking.
+    PyTorch's blocking copy from pageable memory synchronises the stream, which would wait for every step
+    still running: a step run ahead (engine.py) must not."""
+    if staged.is_cuda:
+        staged.copy_(rows.pin_memory(), non_blocking=True)  # the pinned block is reused only once copied
+    else:
+        staged.copy_(rows)
 
 
 def stage_rows(scheduled: list[tuple[Sequence, int]], size: int, width: int, scratch: int) -> torch.Tensor:
@@ -241,7 +251,7 @@ class PrefillGraphs:
         if shape not in self.graphs:
             self.graphs[shape] = self._capture(*shape)
         graph, staged = self.graphs[shape]
-        staged.copy_(stage_chunks(scheduled, shape[0], shape[1], staged.shape[1] - 2 - shape[1], self.scratch))
+        upload(stage_chunks(scheduled, shape[0], shape[1], staged.shape[1] - 2 - shape[1], self.scratch), staged)
         graph.replay()
         done = [i for i, (seq, count) in enumerate(scheduled) if seq.num_computed + count == seq.num_tokens]
         if not done:

@@ -26,10 +26,21 @@ def draw_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
     tokens = logits.argmax(dim=-1)  # one vectorised pass serves every greedy row
     drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if drawn:
-        tokens[drawn] = torch.stack([sample_row(logits[i], params[i], generators[i]) for i in drawn])
+        values = torch.stack([sample_row(logits[i], params[i], generators[i]) for i in drawn])
+        tokens.index_copy_(0, _index(drawn, tokens.device), values)
     rows = [i for i, want in enumerate(want_logprobs) if want]
-    chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows, None])[:, 0] if rows else None
+    if not rows:
+        return tokens, None
+    index = _index(rows, tokens.device)
+    chosen = torch.log_softmax(logits.index_select(0, index), dim=-1).gather(1, tokens[index, None])[:, 0]
     return tokens, chosen
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row numbers as an index on the device, copied without waiting for the GPU (a Python list as an index
+    is a blocking copy: it would wait for a step launched ahead)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def read_tokens(tokens: torch.Tensor, chosen: torch.Tensor | None,
