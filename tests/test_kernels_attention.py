@@ -57,6 +57,38 @@ def test_mla_decode_attention_equals_reference(seqs, heads, rank, rope, lengths)
         assert error < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_rotating_the_query_rope_in_the_kernel_equals_rotating_it_first(interleaved, splits):
+    """The queries' rope part as projected (a strided view of the projection, interleaved pairs or two
+    halves) rotated inside the kernel gives what the rope kernel's output concatenated to the latent
+    queries gives: the same rounding, so in bf16 the same bits."""
+    from quantship.kernels import elementwise
+
+    g = torch.Generator().manual_seed(splits + interleaved)
+    seqs, heads, rank, rope, nope = 3, 20, 64, 16, 24
+    cache = torch.randn(128, rank + rope, generator=g).to(DEVICE)
+    key_slots = torch.randint(0, 128, (seqs, 96), generator=g, dtype=torch.int64).to(DEVICE)
+    lengths = torch.tensor([1, 40, 96], dtype=torch.int32, device=DEVICE)
+    projected = torch.randn(seqs, heads, nope + rope, generator=g).to(DEVICE)  # q_nope ‖ q_rope, as split
+    q_rope = projected[..., nope:]
+    q_latent = torch.randn(heads, seqs, rank, generator=g).to(DEVICE).transpose(0, 1)  # an einsum's layout
+    angles = torch.rand(seqs, rope // 2, generator=g).to(DEVICE) * 6
+    cos, sin = angles.cos(), angles.sin()
+    for dtype in [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []):
+        rotated = elementwise.reference_rope(q_rope.to(dtype).transpose(0, 1), cos.to(dtype), sin.to(dtype),
+                                             interleaved).transpose(0, 1)  # as the model rotates: heads first
+        q = torch.cat((q_latent.to(dtype), rotated), dim=-1)
+        first = paged_attention.mla_decode_attention(q, cache.to(dtype), key_slots, lengths, rank, 0.1, splits=splits)
+        fused = paged_attention.mla_decode_attention(
+            q_latent.to(dtype), cache.to(dtype), key_slots, lengths, rank, 0.1, splits=splits,
+            rope=(q_rope.to(dtype), cos.to(dtype), sin.to(dtype), interleaved))
+        exact = 0 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(fused, first, rtol=exact, atol=exact)
+        expected = paged_attention.mla_reference(q, cache.to(dtype), key_slots, lengths, rank, 0.1)
+        assert ((fused.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 2e-2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5, paged_attention.MAX_SPLITS])
 def test_split_keys_give_the_unsplit_result(splits):
     """Both kernels with their key axis cut into `splits` parts (flash-decoding) equal the reference:

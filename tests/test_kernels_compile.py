@@ -94,12 +94,15 @@ for group, dim in ((1, 128), (4, 128), (7, 64)):
                 "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split, stride_slots="i32", width="i32", scale="fp32",
                 keys_per_split="i32"),
                 {"GROUP": group, "KV_HEADS": 8, "HEAD_DIM": dim, "BLOCK_H": 16, "BLOCK_N": 64, "SPLIT": splits})
+mla = dict({"q_ptr": "*bf16", "qr_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
+            "slots_ptr": "*i64", "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split,
+           **{name: "i32" for name in ("stride_qs", "stride_qh", "stride_rs", "stride_rh", "stride_cos", "stride_slots",
+                                       "width", "heads")}, scale="fp32", keys_per_split="i32")
 for rank, rope, block_n in ((512, 64, 32), (128, 16, 64)):  # DeepSeek-V2/V3's latent, the bundled model's
-    for splits in (False, True):
-        compile(attention.paged_mla_decode_kernel, dict({"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
-                "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split, stride_slots="i32", width="i32", heads="i32",
-                scale="fp32", keys_per_split="i32"), {"RANK": rank, "ROPE": rope, "BLOCK_R": rank, "BLOCK_P": rope,
-                "BLOCK_H": 16, "BLOCK_N": block_n, "SPLIT": splits})
+    for splits, rotate in ((False, False), (True, False), (False, True), (True, True)):
+        compile(attention.paged_mla_decode_kernel, mla,
+                {"RANK": rank, "HALF": rope // 2, "BLOCK_R": rank, "BLOCK_HALF": max(16, rope // 2), "BLOCK_H": 16,
+                 "BLOCK_N": block_n, "SPLIT": splits, "ROTATE": rotate, "INTERLEAVED": True})
     compile(attention.combine_splits_kernel, dict(split, out_ptr="*bf16", splits="i32"),
             {"D": rank, "BLOCK_S": 16, "BLOCK_D": rank})
 for block in (512, 4096, 8192):  # the bundled model's hidden size up to DeepSeek-V3's 7168
@@ -125,4 +128,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 108
+    assert done.stdout.count(" ok") == 112

@@ -98,22 +98,55 @@ def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_
 
 
 @triton.jit
-def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_ptr, stats_ptr, stride_slots,
-                            width, heads, scale, keys_per_split, RANK: tl.constexpr, ROPE: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """One sequence, BLOCK_H of its heads: every head attends to the same latent entries (c_kv ‖ k_rope)."""
-    seq = tl.program_id(0)
+def _round(v, like):
+    return v.to(like.dtype).to(tl.float32)
+
+
+@triton.jit
+def _query_rope(qr_row, cos_row, sin_row, rows_ok, p, p_ok, HALF: tl.constexpr, ROTATE: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """The two halves [BLOCK_H, BLOCK_HALF] of the queries' rope part, as the cache holds its keys' (halves
+    layout): read as they are, or (ROTATE) rotated here from the projection's output, each product and sum
+    rounded to the queries' dtype as the rope kernel rounds them (kernels/elementwise.py)."""
+    mask = rows_ok[:, None] & p_ok[None, :]
+    if ROTATE and INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...
+        a = tl.load(qr_row + 2 * p[None, :], mask=mask, other=0.0)
+        b = tl.load(qr_row + 2 * p[None, :] + 1, mask=mask, other=0.0)
+    else:
+        a = tl.load(qr_row + p[None, :], mask=mask, other=0.0)
+        b = tl.load(qr_row + HALF + p[None, :], mask=mask, other=0.0)
+    if ROTATE:
+        c = _round(tl.load(cos_row + p, mask=p_ok, other=0.0).to(tl.float32), a)[None, :]
+        s = _round(tl.load(sin_row + p, mask=p_ok, other=0.0).to(tl.float32), a)[None, :]
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        first = _round(_round(af * c, a) - _round(bf * s, a), a).to(a.dtype)
+        second = _round(_round(bf * c, a) + _round(af * s, a), a).to(a.dtype)
+        return first, second
+    return a, b
+
+
+@triton.jit
+def paged_mla_decode_kernel(q_ptr, qr_ptr, cos_ptr, sin_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_ptr,
+                            stats_ptr, stride_qs, stride_qh, stride_rs, stride_rh, stride_cos, stride_slots, width,
+                            heads, scale, keys_per_split, RANK: tl.constexpr, HALF: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr,
+                            INTERLEAVED: tl.constexpr):
+    """One sequence, BLOCK_H of its heads: every head attends to the same latent entries (c_kv ‖ k_rope).
+    The queries come in two parts (latent [S, H, RANK] and rope [S, H, 2 * HALF], any row strides), the
+    rope part rotated here where ROTATE (one launch instead of the rope kernel, the concatenation and this)."""
+    seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
     r = tl.arange(0, BLOCK_R)
     r_ok = r < RANK
-    p = tl.arange(0, BLOCK_P)
-    p_ok = p < ROPE
-    q_rows = (seq * heads + h).to(tl.int64)
-    q_row = q_ptr + q_rows[:, None] * (RANK + ROPE)
-    q_latent = tl.load(q_row + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_rope = tl.load(q_row + RANK + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    p = tl.arange(0, BLOCK_HALF)
+    p_ok = p < HALF
+    q_rows = seq * heads + h
+    q_latent = tl.load(q_ptr + seq * stride_qs + h[:, None] * stride_qh + r[None, :],
+                       mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_first, q_second = _query_rope(qr_ptr + seq * stride_rs + h[:, None] * stride_rh, cos_ptr + seq * stride_cos,
+                                    sin_ptr + seq * stride_cos, h_ok, p, p_ok, HALF, ROTATE, INTERLEAVED)
     begin, end = _key_range(lengths_ptr, seq, keys_per_split)
     running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -124,9 +157,12 @@ def paged_mla_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, p
         slot = tl.load(slots_ptr + seq * stride_slots + j, mask=j_ok, other=0).to(tl.int64)
         entry = cache_ptr + slot[:, None] * width
         latent = tl.load(entry + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
-        k_rope = tl.load(entry + RANK + p[None, :], mask=j_ok[:, None] & p_ok[None, :], other=0.0)
+        rope_ok = j_ok[:, None] & p_ok[None, :]
+        k_first = tl.load(entry + RANK + p[None, :], mask=rope_ok, other=0.0)
+        k_second = tl.load(entry + RANK + HALF + p[None, :], mask=rope_ok, other=0.0)
         scores = tl.dot(q_latent, tl.trans(latent), out_dtype=tl.float32)
-        scores += tl.dot(q_rope, tl.trans(k_rope), out_dtype=tl.float32)
+        scores += tl.dot(q_first, tl.trans(k_first), out_dtype=tl.float32)
+        scores += tl.dot(q_second, tl.trans(k_second), out_dtype=tl.float32)
         scores = tl.where(j_ok[None, :], scores * scale, float("-inf"))
         running_max, running_sum, acc = _online_softmax_step(scores, latent, running_max, running_sum, acc)
     _finish(acc, running_max, running_sum, out_ptr, part_ptr, stats_ptr, q_rows, h_ok, r, r_ok, RANK, SPLIT)

@@ -69,7 +69,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tens
 
 def mla_supports(rank: int, rope: int) -> bool:
     """Latent sizes the MLA kernel takes (padded to Triton tiles; every DeepSeek-V2/V3 size is)."""
-    return rank >= 16 and rope >= 1 and rank + rope <= 1024
+    return rank >= 16 and rope >= 2 and rope % 2 == 0 and rank + rope <= 1024
 
 
 def mla_reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor, rank: int,
@@ -84,26 +84,41 @@ def mla_reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor,
     return out
 
 
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
-                         rank: int, scale: float, block_h: int = 16, splits: int | None = None) -> torch.Tensor:
-    """[S, H, rank] in q's dtype, through the Triton kernel; `splits` of the key axis (default: split_plan's)."""
+                         rank: int, scale: float, block_h: int = 16, splits: int | None = None,
+                         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+    """[S, H, rank] in q's dtype, through the Triton kernel; `splits` of the key axis (default: split_plan's).
+
+    q is [S, H, rank + rope], its rope part rotated (halves layout, as the cache holds the keys'); or, with
+    `rope` = (q_rope [S, H, rope] as projected, cos, sin [S, rope / 2], interleaved), q is the latent part
+    [S, H, rank] alone and the kernel rotates q_rope itself (elementwise.rope's rounding). Any row strides."""
     import triton
 
     from quantship.kernels._paged_attention_triton import paged_mla_decode_kernel
 
-    s, heads, width = q.shape
-    rope = width - rank
-    q = q.contiguous()
+    s, heads = q.shape[:2]
+    if rope is None:
+        q = _unit_rows(q)
+        q_latent, q_rope, cos, sin, interleaved = q[..., :rank], q[..., rank:], q, q, False
+    else:
+        q_latent, (q_rope, cos, sin, interleaved) = _unit_rows(q), rope
+        q_rope, cos, sin = _unit_rows(q_rope), cos.contiguous(), sin.contiguous()
+    half = q_rope.shape[-1] // 2
     out = torch.empty(s, heads, rank, dtype=q.dtype, device=q.device)
-    block_r = max(16, triton.next_power_of_2(rank))
     block_n = mla_block_n(rank)
     head_blocks = triton.cdiv(heads, block_h)
     splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * head_blocks, _sm_count(q.device), splits)
     part, stats = _split_buffers(s * heads, splits, rank, q.device)
     paged_mla_decode_kernel[(s, head_blocks, splits)](
-        q, cache, key_slots, lengths, out, part, stats, key_slots.stride(0), cache.shape[1], heads, scale,
-        keys_per_split, RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=splits > 1)
+        q_latent, q_rope, cos, sin, cache, key_slots, lengths, out, part, stats, q_latent.stride(0),
+        q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cos.stride(0), key_slots.stride(0), cache.shape[1],
+        heads, scale, keys_per_split, RANK=rank, HALF=half, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=splits > 1,
+        ROTATE=rope is not None, INTERLEAVED=interleaved)
     return _combine(part, stats, out, splits)
 
 

@@ -88,13 +88,18 @@ class MLAttention(nn.Module, SharedInput):
         cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
         first, latent = self.project(x)
         q_nope, q_rope = self.queries(first).reshape(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
-        q_rope = self.rotary(q_rope.transpose(0, 1), cos, sin).transpose(0, 1)
         self.write_latent(latent, cos, sin, batch, index)
 
         w = dense_weight(self.kv_b_proj, x.dtype).view(self.heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
-        q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)  # [N, H, rank + rope]
-        out = batch.each(q, lambda q, part: self.paged_latent_attention(q, part, index))
+        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+        if batch.takes_latent_decode(q_latent, self.kv_lora_rank, self.rope_dim):  # q's rope in the kernel
+            out = batch.latent_decode_attention(index, q_latent, self.kv_lora_rank, self.scale,
+                                                rope=(q_rope, cos, sin, self.rotary.interleaved))
+        else:
+            q_rope = self.rotary(q_rope.transpose(0, 1), cos, sin).transpose(0, 1)
+            q = torch.cat((q_latent, q_rope), dim=-1)  # [N, H, rank + rope]
+            out = batch.each(q, lambda q, part: self.paged_latent_attention(q, part, index))
         out = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, -1)
         return self.o_proj(out)[None]
 

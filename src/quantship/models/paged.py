@@ -104,13 +104,22 @@ class PagedBatch:
             return None
         return paged_attention.decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, kv_heads, scale)
 
-    def latent_decode_attention(self, layer: int, q: torch.Tensor, rank: int, scale: float) -> torch.Tensor | None:
-        """MLA's decode step on CUDA: absorbed queries [N, H, rank + rope] over the latent entries read
-        straight from the paged cache → [N, H, rank]. None where the general path must run."""
-        if not (use_decode_kernel(q) and self.query_index.shape[1] == 1
-                and paged_attention.mla_supports(rank, q.shape[-1] - rank)):
+    def takes_latent_decode(self, q: torch.Tensor, rank: int, rope: int) -> bool:
+        """Whether MLA's attention of this step runs through the decode kernel: one query per sequence
+        (not a step made of parts), on CUDA."""
+        return use_decode_kernel(q) and self.query_index is not None and self.query_index.shape[1] == 1 \
+            and paged_attention.mla_supports(rank, rope)
+
+    def latent_decode_attention(self, layer: int, q: torch.Tensor, rank: int, scale: float,
+                                rope: tuple | None = None) -> torch.Tensor | None:
+        """MLA's decode step on CUDA: absorbed queries [N, H, rank + rope] (or [N, H, rank] and `rope`, the
+        queries' rope part to rotate in the kernel: paged_attention.mla_decode_attention) over the latent
+        entries read straight from the paged cache → [N, H, rank]. None where the general path must run."""
+        width = rope[0].shape[-1] if rope is not None else q.shape[-1] - rank
+        if not self.takes_latent_decode(q, rank, width):
             return None
-        return paged_attention.mla_decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, rank, scale)
+        return paged_attention.mla_decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, rank, scale,
+                                                    rope=rope)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [S, H, Q, D] over k/v [S, H, K, *] under this step's causal-and-length mask."""
