@@ -57,6 +57,34 @@ def test_mla_decode_attention_equals_reference(seqs, heads, rank, rope, lengths)
         assert error < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dim", [16, 64])
+def test_decode_rotating_the_queries_in_the_kernel_equals_rotating_them_first(interleaved, dim):
+    """Llama's queries as projected (a strided view of the merged q/k/v output) rotated inside the decode
+    kernel give what the rope kernel's output gives; head sizes whose half is below a dot tile included."""
+    from quantship.kernels import elementwise
+
+    g = torch.Generator().manual_seed(dim + interleaved)
+    seqs, heads, kv_heads = 3, 8, 2
+    cache = torch.randn(128, 2 * kv_heads * dim, generator=g).to(DEVICE)
+    key_slots = torch.randint(0, 128, (seqs, 80), generator=g, dtype=torch.int64).to(DEVICE)
+    lengths = torch.tensor([1, 33, 80], dtype=torch.int32, device=DEVICE)
+    projected = torch.randn(seqs, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE)
+    q = projected[:, :heads * dim].unflatten(-1, (heads, dim))
+    angles = torch.rand(seqs, dim // 2, generator=g).to(DEVICE) * 6
+    cos, sin = angles.cos(), angles.sin()
+    for dtype in [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []):
+        c, s_, qd = cos.to(dtype), sin.to(dtype), q.to(dtype)
+        rotated = elementwise.reference_rope(qd.transpose(0, 1), c, s_, interleaved).transpose(0, 1)
+        first = paged_attention.decode_attention(rotated, cache.to(dtype), key_slots, lengths, kv_heads, 0.1)
+        fused = paged_attention.decode_attention(qd, cache.to(dtype), key_slots, lengths, kv_heads, 0.1,
+                                                 rope=(c, s_, interleaved))
+        exact = 0 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(fused, first, rtol=exact, atol=exact)
+        expected = paged_attention.reference(rotated, cache.to(dtype), key_slots, lengths, kv_heads, 0.1)
+        assert ((fused.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 2e-2)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_mla_decode_rotating_the_query_rope_in_the_kernel_equals_rotating_it_first(interleaved, splits):

@@ -88,12 +88,15 @@ for experts, chunk in ((64, 64), (256, 16)):  # V2-Lite's and V3's routed expert
             "num_slots": "i32", "num_experts": "i32", "capacity": "i32"},
             {"BLOCK_M": 16, "EXPERTS": experts, "CHUNK": chunk})
 split = {"part_ptr": "*fp32", "stats_ptr": "*fp32"}
+gqa = dict({"q_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
+            "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split,
+           **{name: "i32" for name in ("stride_qs", "stride_qh", "stride_cos", "stride_slots", "width")},
+           scale="fp32", keys_per_split="i32")
 for group, dim in ((1, 128), (4, 128), (7, 64)):
-    for splits in (False, True):
-        compile(attention.paged_decode_kernel, dict({"q_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64",
-                "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split, stride_slots="i32", width="i32", scale="fp32",
-                keys_per_split="i32"),
-                {"GROUP": group, "KV_HEADS": 8, "HEAD_DIM": dim, "BLOCK_H": 16, "BLOCK_N": 64, "SPLIT": splits})
+    for splits, rotate in ((False, False), (True, False), (False, True), (True, True)):
+        compile(attention.paged_decode_kernel, gqa,
+                {"GROUP": group, "KV_HEADS": 8, "HEAD_DIM": dim, "BLOCK_H": 16, "BLOCK_HALF": dim // 2, "BLOCK_N": 64,
+                 "SPLIT": splits, "ROTATE": rotate, "INTERLEAVED": False})
 mla = dict({"q_ptr": "*bf16", "qr_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "cache_ptr": "*bf16",
             "slots_ptr": "*i64", "lengths_ptr": "*i32", "out_ptr": "*bf16"}, **split,
            **{name: "i32" for name in ("stride_qs", "stride_qh", "stride_rs", "stride_rh", "stride_cos", "stride_slots",
@@ -110,6 +113,12 @@ for block in (512, 4096, 8192):  # the bundled model's hidden size up to DeepSee
             "n": "i32", "eps": "fp32"}, {"BLOCK": block})
 compile(elementwise.add_rms_norm_kernel, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
         "out_ptr": "*bf16", "stride_x": "i32", "stride_d": "i32", "n": "i32", "eps": "fp32"}, {"BLOCK": 8192})
+for kv_heads, dim in ((32, 128), (2, 64)):  # DeepSeek-Coder-6.7B: 32 K/V heads of 128; a GQA model
+    compile(elementwise.kv_write_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+            "kv_ptr": "*bf16", "slots_ptr": "*i64", "stride_kt": "i32", "stride_kh": "i32", "stride_v": "i32",
+            "stride_cos": "i32", "width": "i32"},
+            {"KV_HEADS": kv_heads, "HALF": dim // 2, "INTERLEAVED": False, "BLOCK_P": dim // 2,
+             "BLOCK_V": kv_heads * dim})
 compile(elementwise.silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32",
         "stride_g": "i32", "stride_u": "i32"}, {"BLOCK": 1024})
 for rank, half in ((512, 32), (128, 8)):  # DeepSeek-V2/V3's latent and rope key, the bundled model's
@@ -128,4 +137,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 112
+    assert done.stdout.count(" ok") == 120

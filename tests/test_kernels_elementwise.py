@@ -101,6 +101,32 @@ def test_latent_write_equals_the_plain_ops(interleaved):
     assert not elementwise.latent_write_supports(latent, weight, cos[:4], sin[:4], caches[0].float())
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kv_write_equals_the_plain_ops(interleaved):
+    """Llama's cache write in one kernel: every K/V head's key rotated, then the values, written into the
+    cache slots, from a strided view of the merged q/k/v projection."""
+    g = torch.Generator().manual_seed(6)
+    tokens, kv_heads, dim = 5, 3, 16
+    projection = (torch.randn(tokens, 40 + 2 * kv_heads * dim, generator=g) * 3).to(DEVICE)
+    k = projection[:, 40:40 + kv_heads * dim].unflatten(-1, (kv_heads, dim))
+    v = projection[:, 40 + kv_heads * dim:]
+    angles = torch.tensor([0, 1, 7, 300, 4000])[:, None].float() * (1.0 / (10000 ** (torch.arange(0, dim, 2) / dim)))
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    slots = torch.tensor([9, 2, 30, 4, 17]).to(DEVICE)
+    for dtype in DTYPES:
+        args = k.to(dtype), v.to(dtype), cos.to(dtype), sin.to(dtype), interleaved
+        caches = [torch.full((32, 2 * kv_heads * dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
+        assert elementwise.kv_write_supports(args[0], args[1], args[2], args[3], caches[0])
+        elementwise.kv_write(*args, caches[0], slots)
+        elementwise.reference_kv_write(*args, caches[1], slots)
+        _close(caches[0], caches[1])
+        untouched = torch.ones(32, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert (caches[0][untouched.to(DEVICE)] == 7.0).all()  # other slots keep what they held
+    assert not elementwise.kv_write_supports(k, v[:, :-2], cos, sin, caches[0].float())  # not the cache's row
+    assert not elementwise.kv_write_supports(k.half(), v, cos, sin, caches[0].float())  # mixed dtypes
+
+
 def test_rope_refuses_what_it_does_not_take():
     x = torch.randn(2, 3, 5, 8)  # 4-D: the contiguous-cache path's [B, H, T, D]
     cos = torch.randn(5, 4)
@@ -120,7 +146,8 @@ def test_a_decode_step_through_the_fused_ops_gives_the_same_logits(which, llama_
     from quantship.models.loader import load_model
 
     model = load_model(TINY_DIR if which == "deepseek" else llama_dir, torch.float32, device=DEVICE)
-    calls = {"rms_norm": 0, "add_rms_norm": 0, "rope": 0, "silu_mul": 0} | ({"latent_write": 0} if which == "deepseek" else {})
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "rope": 0, "silu_mul": 0} | (
+        {"latent_write": 0} if which == "deepseek" else {"kv_write": 0})
     for name in calls:
         original = getattr(elementwise, name)
         monkeypatch.setattr(elementwise, name, lambda *a, name=name, original=original, **k:

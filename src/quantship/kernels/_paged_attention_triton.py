@@ -70,16 +70,26 @@ def _key_range(lengths_ptr, seq, keys_per_split):
 
 
 @triton.jit
-def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_ptr, stats_ptr, stride_slots, width,
-                        scale, keys_per_split, GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    seq = tl.program_id(0)
+def paged_decode_kernel(q_ptr, cos_ptr, sin_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_ptr, stats_ptr,
+                        stride_qs, stride_qh, stride_cos, stride_slots, width, scale, keys_per_split,
+                        GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_HALF: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr,
+                        INTERLEAVED: tl.constexpr):
+    """One sequence and one K/V head with the query heads sharing it. Keys and queries are multiplied in
+    their two rotary halves (as the cache holds the keys); the queries come as projected (any row
+    strides) and are rotated here where ROTATE (one launch instead of the rope kernel and this)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)  # the query heads sharing this K/V head, padded to a dot tile
     h_ok = heads < GROUP
+    head = kv_head * GROUP + heads
     d = tl.arange(0, HEAD_DIM)
-    q_rows = (seq * KV_HEADS * GROUP + kv_head * GROUP + heads).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=h_ok[:, None], other=0.0)
+    p = tl.arange(0, BLOCK_HALF)
+    p_ok = p < HALF
+    q_rows = seq * KV_HEADS * GROUP + head
+    q_first, q_second = _query_rope(q_ptr + seq * stride_qs + head[:, None] * stride_qh, cos_ptr + seq * stride_cos,
+                                    sin_ptr + seq * stride_cos, h_ok, p, p_ok, HALF, ROTATE, INTERLEAVED)
     begin, end = _key_range(lengths_ptr, seq, keys_per_split)
     running_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -88,11 +98,15 @@ def paged_decode_kernel(q_ptr, cache_ptr, slots_ptr, lengths_ptr, out_ptr, part_
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < end
         slot = tl.load(slots_ptr + seq * stride_slots + j, mask=j_ok, other=0).to(tl.int64)
-        row = cache_ptr + slot[:, None] * width + d[None, :]
-        k = tl.load(row + kv_head * HEAD_DIM, mask=j_ok[:, None], other=0.0)
-        v = tl.load(row + (KV_HEADS + kv_head) * HEAD_DIM, mask=j_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
-        scores = tl.where(j_ok[None, :], scores, float("-inf"))
+        row = cache_ptr + slot[:, None] * width
+        key = row + kv_head * HEAD_DIM
+        k_ok = j_ok[:, None] & p_ok[None, :]
+        k_first = tl.load(key + p[None, :], mask=k_ok, other=0.0)
+        k_second = tl.load(key + HALF + p[None, :], mask=k_ok, other=0.0)
+        v = tl.load(row + (KV_HEADS + kv_head) * HEAD_DIM + d[None, :], mask=j_ok[:, None], other=0.0)
+        scores = tl.dot(q_first, tl.trans(k_first), out_dtype=tl.float32)
+        scores += tl.dot(q_second, tl.trans(k_second), out_dtype=tl.float32)
+        scores = tl.where(j_ok[None, :], scores * scale, float("-inf"))
         running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
     _finish(acc, running_max, running_sum, out_ptr, part_ptr, stats_ptr, q_rows, h_ok, d, d < HEAD_DIM, HEAD_DIM, SPLIT)
 

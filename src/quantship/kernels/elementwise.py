@@ -9,7 +9,7 @@ per step on them. Each function here is one kernel, and `reference_*` is the pla
 must equal (the model's own code, which runs everywhere else: CPU, float64, other shapes);
 add_rms_norm's is the sum, then reference_rms_norm. latent_write is MLA's cache write: the latent's
 norm, its rope key's rotation, their concatenation and the write into the cache slots, four kernels
-per layer in one (reference_latent_write).
+per layer in one (reference_latent_write); kv_write is the same for Llama's keys and values.
 """
 
 from __future__ import annotations
@@ -138,3 +138,35 @@ def latent_write(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
                                             kv.shape[1], eps, RANK=rank, HALF=half, INTERLEAVED=interleaved,
                                             BLOCK_R=triton.next_power_of_2(rank),
                                             BLOCK_P=triton.next_power_of_2(half), num_warps=4)
+
+
+def reference_kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                       kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """kv[slots] = rope(k) of every K/V head ‖ v: k [N, KVH, D], v [N, KVH * D], in kv's dtype."""
+    n = k.shape[0]
+    rotated = reference_rope(k.transpose(0, 1), cos, sin, interleaved).transpose(0, 1)
+    kv[slots] = torch.cat((rotated.reshape(n, -1), v), dim=-1).to(kv.dtype)
+
+
+def kv_write_supports(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv: torch.Tensor) -> bool:
+    """k [N, KVH, D] and v [N, KVH * D] with unit stride along their last axis, in kv's dtype; one cos/sin
+    row per token; a cache row of exactly keys and values."""
+    return k.dim() == 3 and v.dim() == 2 and k.stride(-1) == 1 and v.stride(-1) == 1 \
+        and k.dtype == v.dtype == kv.dtype and k.shape[-1] % 2 == 0 and kv.is_contiguous() \
+        and kv.shape[1] == 2 * k.shape[1] * k.shape[2] == 2 * v.shape[1] and cos.dim() == 2 \
+        and cos.shape == (k.shape[0], k.shape[2] // 2) and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+             kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """reference_kv_write in one launch (kv_write_supports says which inputs it takes)."""
+    import triton
+
+    from quantship.kernels._elementwise_triton import kv_write_kernel
+
+    n, heads, dim = k.shape
+    kv_write_kernel[(n,)](k, v, cos, sin, kv, slots, k.stride(0), k.stride(1), v.stride(0), cos.stride(0),
+                          kv.shape[1], KV_HEADS=heads, HALF=dim // 2, INTERLEAVED=interleaved,
+                          BLOCK_P=triton.next_power_of_2(dim // 2), BLOCK_V=triton.next_power_of_2(heads * dim),
+                          num_warps=4)

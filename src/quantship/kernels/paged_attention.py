@@ -47,23 +47,32 @@ def reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, len
     return out
 
 
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
-                     kv_heads: int, scale: float, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
-    """[S, H, D] in q's dtype, through the Triton kernel; `splits` of the key axis (default: split_plan's)."""
+                     kv_heads: int, scale: float, block_n: int = 64, splits: int | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+    """[S, H, D] in q's dtype, through the Triton kernel; `splits` of the key axis (default: split_plan's).
+    q rotated already (halves layout, as the cache holds the keys), or as projected with `rope` = (cos, sin
+    [S, D / 2], interleaved): the kernel rotates it (elementwise.rope's rounding). Any row strides."""
     import triton
 
     from quantship.kernels._paged_attention_triton import paged_decode_kernel
 
     s, heads, dim = q.shape
     group = heads // kv_heads
-    q = q.contiguous()
-    out = torch.empty_like(q)  # after .contiguous(): empty_like keeps a transposed q's strides
+    q = _unit_rows(q)
+    cos, sin, interleaved = (q, q, False) if rope is None else (rope[0].contiguous(), rope[1].contiguous(), rope[2])
+    out = torch.empty(s, heads, dim, dtype=q.dtype, device=q.device)
     splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * kv_heads, _sm_count(q.device), splits)
     part, stats = _split_buffers(s * heads, splits, dim, q.device)
     paged_decode_kernel[(s, kv_heads, splits)](
-        q, cache, key_slots, lengths, out, part, stats, key_slots.stride(0), cache.shape[1], scale, keys_per_split,
-        GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, SPLIT=splits > 1)
+        q, cos, sin, cache, key_slots, lengths, out, part, stats, q.stride(0), q.stride(1), cos.stride(0),
+        key_slots.stride(0), cache.shape[1], scale, keys_per_split, GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_HALF=max(16, dim // 2), BLOCK_N=block_n,
+        SPLIT=splits > 1, ROTATE=rope is not None, INTERLEAVED=interleaved)
     return _combine(part, stats, out, splits)
 
 
@@ -82,10 +91,6 @@ def mla_reference(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor,
         weights = torch.softmax(q[i].float() @ entries.T * scale, dim=-1)
         out[i] = weights @ entries[:, :rank]
     return out
-
-
-def _unit_rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantship.kernels import elementwise
+from quantship.models import layers
 from quantship.models.config import ModelConfig
 from quantship.models.layers import MLP, ContiguousCache, DecoderLayer, RMSNorm, RotaryEmbedding, SharedInput, attend
 from quantship.models.paged import PagedBatch
@@ -66,12 +68,25 @@ class GQAttention(nn.Module, SharedInput):
         n = x.shape[0]
         cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
         q, k, v = self.project(x)
-        q = self.rotary(self.split_heads(q, self.heads, self.q_norm).transpose(0, 1), cos, sin)
-        k = self.rotary(self.split_heads(k, self.kv_heads, self.k_norm).transpose(0, 1), cos, sin)
-        q, k = q.transpose(0, 1), k.transpose(0, 1)
-        batch.write(index, torch.cat((k.reshape(n, -1), v), dim=-1))
-        out = batch.each(q, lambda q, part: self.paged_attention(q, part, index))
+        q, k = self.split_heads(q, self.heads, self.q_norm), self.split_heads(k, self.kv_heads, self.k_norm)
+        self.write_kv(k, v, cos, sin, batch, index)
+        if batch.takes_decode(q, self.kv_heads):  # q's rotary embedding inside the decode kernel
+            out = batch.decode_attention(index, q, self.kv_heads, self.scale, rope=(cos, sin, self.rotary.interleaved))
+        else:
+            q = self.rotary(q.transpose(0, 1), cos, sin).transpose(0, 1)
+            out = batch.each(q, lambda q, part: self.paged_attention(q, part, index))
         return self.o_proj(out.reshape(n, -1))[None]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch,
+                 index: int) -> None:
+        """The cache entries of this step's tokens, rotated keys [N, kv_heads, D] ‖ values: on the GPU one
+        kernel (the keys' rotation, the concatenation and the write each one otherwise)."""
+        kv = batch.kv[index]
+        if layers.use_fused_ops(k) and elementwise.kv_write_supports(k, v, cos, sin, kv):
+            elementwise.kv_write(k, v, cos, sin, self.rotary.interleaved, kv, batch.slots)
+            return
+        k = self.rotary(k.transpose(0, 1), cos, sin).transpose(0, 1)
+        batch.write(index, torch.cat((k.reshape(k.shape[0], -1), v), dim=-1))
 
     def paged_attention(self, q: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
         """Queries [n, H, D] over the cache → [n, H, D]: the decode kernel where it runs, else each

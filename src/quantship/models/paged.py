@@ -95,14 +95,21 @@ class PagedBatch:
         """[S, Q, ...] → [N, ...], in the flat order (an index, not a mask: no device sync)."""
         return padded.flatten(0, 1)[self.unpad_index]
 
-    def decode_attention(self, layer: int, q: torch.Tensor, kv_heads: int, scale: float) -> torch.Tensor | None:
+    def takes_decode(self, q: torch.Tensor, kv_heads: int) -> bool:
+        """Whether attention of [N, H, D] queries runs through the decode kernel: one query per sequence
+        (not a step made of parts), on CUDA."""
+        return use_decode_kernel(q) and self.query_index is not None and self.query_index.shape[1] == 1 \
+            and paged_attention.supports(q.shape[2], q.shape[1], kv_heads)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, kv_heads: int, scale: float,
+                         rope: tuple | None = None) -> torch.Tensor | None:
         """For a decode step on CUDA (one query per sequence): attention over [N, H, D] queries read
-        straight from the paged cache (kernels/paged_attention.py). None where the general path must run."""
-        heads, dim = q.shape[1], q.shape[2]
-        if not (use_decode_kernel(q) and self.query_index.shape[1] == 1
-                and paged_attention.supports(dim, heads, kv_heads)):
+        straight from the paged cache (kernels/paged_attention.py), the queries rotated there where `rope`
+        (cos, sin, interleaved) is given. None where the general path must run."""
+        if not self.takes_decode(q, kv_heads):
             return None
-        return paged_attention.decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, kv_heads, scale)
+        return paged_attention.decode_attention(q, self.kv[layer], self.key_slots, self.key_lengths, kv_heads, scale,
+                                                rope=rope)
 
     def takes_latent_decode(self, q: torch.Tensor, rank: int, rope: int) -> bool:
         """Whether MLA's attention of this step runs through the decode kernel: one query per sequence
