@@ -593,12 +593,12 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"the code now: the same table; decode attention splits its keys where that pays (not at these contexts)":
+    "": {"the same table; decode attention splits its keys where that pays (not at these contexts)":
          "_split_attention",
          "the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"27 layers, the code now: MLA's cache write in one kernel": "_latent_write",
+    "_v2-lite": {"27 layers, MLA's cache write in one kernel": "_latent_write",
                  "27 layers, MLA's decode attention split over the keys": "_split_attention",
                  "27 layers, shared experts folded into the routed stacks, slot GEMV in bf16 pairs chosen by all "
                  "slots": "_bf16x2",
