@@ -229,8 +229,8 @@ def test_mla_cache_holds_the_latent_not_full_kv(tiny, reference_dirs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
 def test_cuda_graph_decode_matches_plain_loop(reference_dirs, name):
-    """On a GPU, decode steps replay CUDA graphs (MoE layers through the fused experts); the tokens must not
-    change."""
+    """On a GPU, decode steps and steps of prompt chunks replay CUDA graphs (MoE layers through the fused
+    experts), decode steps run one ahead of their tokens' reading; the tokens must not change."""
     # float32, not the float64 of the CPU tests: the Triton kernels (fused experts, paged decode attention)
     # compile for 16- and 32-bit floats and float64 stays on the plain-torch path.
     model = load_model(reference_dirs[name][0], torch.float32, device="cuda")
@@ -240,6 +240,7 @@ def test_cuda_graph_decode_matches_plain_loop(reference_dirs, name):
     assert (name == "deepseek_v3") == bool(moe) and all(m.fused is not None for m in moe)
     assert engine.runner.graphs is not None
     assert len(engine.runner.graphs.graphs) >= 2  # several batch sizes were replayed
+    assert engine.runner.prefill_graphs.graphs  # and steps of prompt chunks, decodes run ahead among them
 
 
 def test_incremental_detokenization_equals_a_full_decode(tiny):
