@@ -74,6 +74,23 @@ def test_rope_equals_the_plain_ops(interleaved, dim):
             assert (out.transpose(0, 1) if out.dim() == 3 else out).is_contiguous()
 
 
+def _cache(width: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((32, width), 7.0, dtype=dtype, device=DEVICE)
+
+
+def _assert_writes_alike(write, reference, args: tuple, slots: torch.Tensor, width: int, dtype: torch.dtype):
+    """A cache write kernel and its plain reference fill the same slots with the same entries and leave
+    every other slot as it was; returns the two caches."""
+    caches = [_cache(width, dtype) for _ in range(2)]
+    write(*args, caches[0], slots)
+    reference(*args, caches[1], slots)
+    _close(caches[0], caches[1])
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert (caches[0][untouched.to(DEVICE)] == 7.0).all()
+    return caches
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_latent_write_equals_the_plain_ops(interleaved):
     """MLA's cache write in one kernel: the latent's norm and the rope key's rotation written into the
@@ -88,14 +105,9 @@ def test_latent_write_equals_the_plain_ops(interleaved):
     slots = torch.tensor([9, 2, 30, 4, 17]).to(DEVICE)
     for dtype in DTYPES:
         args = latent.to(dtype), weight.to(dtype), 1e-6, cos.to(dtype), sin.to(dtype), interleaved
-        caches = [torch.full((32, rank + rope), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
-        assert elementwise.latent_write_supports(args[0], args[1], args[3], args[4], caches[0])
-        elementwise.latent_write(*args, caches[0], slots)
-        elementwise.reference_latent_write(*args, caches[1], slots)
-        _close(caches[0], caches[1])
-        untouched = torch.ones(32, dtype=torch.bool)
-        untouched[slots.cpu()] = False
-        assert (caches[0][untouched.to(DEVICE)] == 7.0).all()  # other slots keep what they held
+        assert elementwise.latent_write_supports(args[0], args[1], args[3], args[4], _cache(rank + rope, dtype))
+        caches = _assert_writes_alike(elementwise.latent_write, elementwise.reference_latent_write, args, slots,
+                                      rank + rope, dtype)
     # The norm is rounded once, to the cache's dtype: a float32 weight on a bf16 latent takes the plain path.
     assert not elementwise.latent_write_supports(latent.half(), weight, cos.half(), sin.half(), caches[0].half())
     assert not elementwise.latent_write_supports(latent, weight, cos[:4], sin[:4], caches[0].float())
@@ -115,14 +127,9 @@ def test_kv_write_equals_the_plain_ops(interleaved):
     slots = torch.tensor([9, 2, 30, 4, 17]).to(DEVICE)
     for dtype in DTYPES:
         args = k.to(dtype), v.to(dtype), cos.to(dtype), sin.to(dtype), interleaved
-        caches = [torch.full((32, 2 * kv_heads * dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
-        assert elementwise.kv_write_supports(args[0], args[1], args[2], args[3], caches[0])
-        elementwise.kv_write(*args, caches[0], slots)
-        elementwise.reference_kv_write(*args, caches[1], slots)
-        _close(caches[0], caches[1])
-        untouched = torch.ones(32, dtype=torch.bool)
-        untouched[slots.cpu()] = False
-        assert (caches[0][untouched.to(DEVICE)] == 7.0).all()  # other slots keep what they held
+        assert elementwise.kv_write_supports(*args[:4], _cache(2 * kv_heads * dim, dtype))
+        caches = _assert_writes_alike(elementwise.kv_write, elementwise.reference_kv_write, args, slots,
+                                      2 * kv_heads * dim, dtype)
     assert not elementwise.kv_write_supports(k, v[:, :-2], cos, sin, caches[0].float())  # not the cache's row
     assert not elementwise.kv_write_supports(k.half(), v, cos, sin, caches[0].float())  # mixed dtypes
 
