@@ -480,8 +480,33 @@ def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
     print(events.table(sort_by="count", row_limit=30, max_name_column_width=70), flush=True)
 
 
+# What each of the engine's host-time levers is worth at batch 1 (quick --ablate): every step of the
+# step loop eager but decode, then graphs of prompt chunks, then decode steps run ahead (the default).
+ABLATION = {"decode graphs only": dict(prefill_graphs=False, run_ahead=False),
+            "+ graphs of prompt chunks": dict(prefill_graphs=True, run_ahead=False),
+            "+ decode steps run ahead": dict(prefill_graphs=True, run_ahead=True)}
+
+
+def ablation(models: dict, config, prompt_len: int = 128, new_tokens: int = 64) -> list[dict]:
+    """Batch-1 tok/s (prefill included) and first-token ms of each model under each ABLATION setting,
+    alternating the settings within each repeat."""
+    prompts = torch.randint(3, next(iter(models.values())).config.vocab_size, (1, prompt_len)).tolist()
+    rows = []
+    for name, model in models.items():
+        configs = {label: replace(config, **change) for label, change in ABLATION.items()}
+        for c in configs.values():
+            time_engine(model, prompts, 4, c)
+        runs = [{label: time_engine(model, prompts, new_tokens, c) for label, c in configs.items()} for _ in range(3)]
+        for label, c in configs.items():
+            first = statistics.median(time_engine(model, prompts, 1, c) for _ in range(3))
+            rows.append({"model": name, "setting": label, "tok_s": new_tokens / statistics.median(r[label] for r in runs),
+                         "first_token_ms": first * 1e3})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
-          profile: bool = False, tag: str = "") -> None:
+          profile: bool = False, tag: str = "", ablate: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs."""
     torch.manual_seed(0)
@@ -511,13 +536,15 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             print(rows[-1], flush=True)
         ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, None, 2048, config)}
         print(ttft, flush=True)
+        levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
         if profile:
             for prompt_len in (128, 2048):
                 for label, model in (("w4a16", w4), ("bf16", ours)):
                     prefill_kernels(model, config, prompt_len, label)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if shape == "coder-6.7b" else f"_{shape}"
-    (out / f"engine_quick_gpu{suffix}{tag}.json").write_text(json.dumps(rows + [{"ttft": ttft}], indent=2) + "\n")
+    extra = [{"ablation": levers}] if levers else []
+    (out / f"engine_quick_gpu{suffix}{tag}.json").write_text(json.dumps(rows + [{"ttft": ttft}] + extra, indent=2) + "\n")
 
 
 def kv_table() -> str:
@@ -648,7 +675,7 @@ MOE_ANATOMY = (
 def quick_rerun_note(suffix: str) -> list[str]:
     """The quick re-runs of a shape's W4A16 / bf16 decode (engine_throughput.py quick), as a small table."""
     runs = {label: RESULTS / f"engine_quick_gpu{suffix}{tail}.json" for label, tail in QUICK_RUNS[suffix].items()}
-    rows = []
+    rows, levers = [], []
     for label, path in runs.items():
         if not path.exists():
             continue
@@ -660,6 +687,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
                 rows.append([label, x["batch"], f"{x['w4a16_tok_s']:.1f}", f"{x['bf16_tok_s']:.1f}",
                              f"{x['w4a16_tok_s'] / x['bf16_tok_s']:.2f}x", *ratios,
                              f"{first['w4a16']:.1f} / {first['bf16']:.1f}" if first else "-"])
+            elif "ablation" in x:
+                levers += [[label, *row] for row in ablation_rows(x["ablation"])]
             else:
                 rows.append([label, "TTFT 2048", f"{x['ttft']['w4a16']['ours_s'] * 1e3:.1f} ms",
                              f"{x['ttft']['bf16']['ours_s'] * 1e3:.1f} ms",
@@ -671,7 +700,23 @@ def quick_rerun_note(suffix: str) -> list[str]:
     return [QUICK_TEXT[suffix], "", table(header, rows), "",
             "tok/s covers the whole run, the prompts' prefill included; the decode-step column is the engine's decode "
             "step alone (step_anatomy: 32 decode-only steps after a 64-token prompt), the last the run with one "
-            "new token per request (median of 3), where recorded: the prefill runs eagerly and is host-bound.", ""]
+            "new token per request (median of 3), where recorded: the prefill ran eagerly, host-bound, in the runs "
+            "before graphs of prompt chunks.", ""] + ([
+            "Batch 1 under each of the engine's host-time levers (`quick --ablate`, the same run, settings alternating; "
+            "tok/s with the 128-token prefill):", "",
+            table(["code", "setting", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "first token, W4A16 / bf16 ms"],
+                  levers), ""] if levers else [])
+
+
+def ablation_rows(entries: list[dict]) -> list[list]:
+    """quick --ablate's entries as rows: one per setting, W4A16 beside bf16."""
+    by = {(e["model"], e["setting"]): e for e in entries}
+    out = []
+    for setting in dict.fromkeys(e["setting"] for e in entries):
+        w4, bf16 = by[("w4a16", setting)], by[("bf16", setting)]
+        out.append([setting, f"{w4['tok_s']:.1f}", f"{bf16['tok_s']:.1f}", f"{w4['tok_s'] / bf16['tok_s']:.2f}x",
+                    f"{w4['first_token_ms']:.1f} / {bf16['first_token_ms']:.1f}"])
+    return out
 
 
 def render() -> None:
@@ -758,6 +803,8 @@ def main() -> None:
                         "(kernels.fused_moe.SLOT_GEMV_MAX_SHARE; 0: always the blocks)")
     q.add_argument("--no-fold-shared", action="store_true",
                    help="keep MoE layers' shared experts a dense MLP of their own (models.deepseek.MoE.fold_shared)")
+    q.add_argument("--ablate", action="store_true",
+                   help="also batch 1 with decode graphs only, + graphs of prompt chunks, + decode steps run ahead")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -775,7 +822,7 @@ def main() -> None:
             from quantship.models.deepseek import MoE
 
             MoE.fold_shared = False
-        quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag)
+        quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

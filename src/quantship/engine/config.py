@@ -24,6 +24,7 @@ class EngineConfig:
     # Replay decode steps, and steps of prompt chunks up to 512 padded tokens, as CUDA graphs where the
     # model allows (GPU only; engine/cuda_graphs.py).
     cuda_graphs: bool = True
+    prefill_graphs: bool = True  # with cuda_graphs: steps of prompt chunks too (False: decode steps only)
     # With decode graphs: launch each decode step before reading the previous one's tokens (the graph
     # takes them on the device), so the host's bookkeeping between steps overlaps the GPU's work. A
     # sequence that stops on a token computes one more row, dropped.

@@ -75,7 +75,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.cuda_graphs, config.max_num_seqs,
-                                  self.max_model_len, config.expert_stats)
+                                  self.max_model_len, config.expert_stats, config.prefill_graphs)
         self.sequences: dict[str, Sequence] = {}
         self.texts: dict[str, TextTracker] = {}
         self.prompt_tokens = self.generation_tokens = 0

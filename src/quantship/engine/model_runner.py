@@ -18,7 +18,7 @@ log = logging.getLogger("quantship.engine")
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, cuda_graphs: bool = True,
-                 max_seqs: int = 64, max_len: int = 2048, expert_stats: bool = False):
+                 max_seqs: int = 64, max_len: int = 2048, expert_stats: bool = False, prefill_graphs: bool = True):
         self.model = model
         self.block_size = block_size
         merge_projections(model)  # q/k/v and gate/up as one matmul each: fewer, longer weight reads per step
@@ -40,7 +40,7 @@ class ModelRunner:
         self.graphs = self.prefill_graphs = None
         if cuda_graphs and not (expert_stats and self.moe_layers) and DecodeGraphs.supported(model):
             self.graphs = DecodeGraphs(model, self.kv, block_size, num_blocks, max_seqs, max_len)
-            self.prefill_graphs = PrefillGraphs(self.graphs, max_len)
+            self.prefill_graphs = PrefillGraphs(self.graphs, max_len) if prefill_graphs else None
 
     def expert_tokens(self) -> dict[int, list[int]] | None:
         """Tokens routed to each expert so far, by decoder layer; None unless expert_stats is on."""
