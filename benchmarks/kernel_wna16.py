@@ -137,6 +137,10 @@ def candidates(m: int):
     stages = (2, 4) if m <= 16 else (4,)
     out += [Blocks("swap_dot", rows, bn, bk, split, 4, stage) for bn in (64, 128) for bk in (128, 256)
             for split in splits for stage in stages]
+    # x as the left operand, the weight tile unpacked whole (one product per K tile)
+    out += [Blocks("dot", rows, bn, bk, split, 4, 3) for bn in (64, 128, 256) for bk in (64, 128) for split in (0, 4)]
+    if rows == 64:
+        out += [Blocks("dot", rows, bn, bk, 0, 8, 3) for bn in (128, 256) for bk in (64, 128)]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
@@ -157,8 +161,10 @@ def tinygemm(x, values: torch.Tensor, scale: torch.Tensor):
         return None
 
 
-def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tuple[list[dict], dict]:
+def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds: tuple[str, ...] = (),
+               ms: tuple[int, ...] = tuple(MS)) -> tuple[list[dict], dict]:
     from quantship.kernels import wna16
+    from quantship.kernels.wna16 import choose_blocks
 
     rows, sweep_times = [], {}
     w4 = random_packed(n, k, 4, True, copies=max(2, (256 << 20) // (n * k // 2)), keep_values=True)
@@ -170,7 +176,7 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tup
     w8 = random_packed(n, k, 8, True, copies=max(2, (256 << 20) // (n * k)))
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, (256 << 20) // (2 * n * k)))]
     errors = {"w4a16": check(w4, 4, k), "w8a16": check(w8, 8, k)}
-    for m in MS:
+    for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         io = nbytes(x) + m * n * 2
         t_dense = graph_time(lambda i: F.linear(x, dense[i]), len(dense))
@@ -189,6 +195,8 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tup
         if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
             reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
             for blocks in candidates(m):
+                if kinds and blocks.kind not in kinds and blocks != replace(choose_blocks(m), finish=False):
+                    continue
                 try:
                     got = wna16.matmul(x, *w4[0], 4, k, GROUP, blocks=blocks).float()
                     error = ((got - reference).norm() / reference.norm()).item()
@@ -203,12 +211,15 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool) -> tup
     return rows, {"errors": errors, "sweep": sweep_times}
 
 
-def run(out: Path, sweep: bool) -> None:
+def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...] = tuple(MS),
+        name: str = "kernel_wna16") -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     rows, errors, sweeps, shape_sweeps = [], {}, {}, []
     for label, (n, k) in SHAPES.items():
-        shape_rows, extra = time_shape(label, n, k, bandwidth, sweep)
+        if kinds and label not in SWEEP_SHAPES:  # a partial sweep times the layer's four calls only
+            continue
+        shape_rows, extra = time_shape(label, n, k, bandwidth, sweep, kinds, ms)
         rows += shape_rows
         errors[label] = extra["errors"]
         if label in SWEEP_SHAPES and sweep:  # a candidate ranks only if it ran on every swept shape
@@ -230,7 +241,7 @@ def run(out: Path, sweep: bool) -> None:
               "errors": errors, "rows": rows, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES),
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernel_wna16.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     for label, e in errors.items():
         print(label, "relative error vs float32 reference:", e)
 
@@ -408,11 +419,15 @@ def main() -> None:
     p = sub.add_parser("run")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--kinds", nargs="+", default=(), help="sweep only these kernels (and each M's table entry), on "
+                   "the layer's four calls: a quick look at one kernel")
+    p.add_argument("--ms", type=int, nargs="+", default=MS, help="rows of x to time (default: all)")
+    p.add_argument("--name", default="kernel_wna16", help="the result file's name (NAME.json)")
     sub.add_parser("adopt").add_argument("result", type=Path, help="kernel_wna16.json of a --sweep run")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
-        run(args.out, args.sweep)
+        run(args.out, args.sweep, tuple(args.kinds), tuple(args.ms), args.name)
     elif args.cmd == "adopt":
         adopt(args.result)
     else:

@@ -83,6 +83,9 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
                                     wna16.Blocks("swap_dot", 16, 16, 128, 0, 4, 1),  # splits to fill the GPU
                                     wna16.Blocks("swap_dot", 16, 16, 128, 3, 4, 1, finish=False),  # memset, cast
                                     wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1, finish=False),
+                                    wna16.Blocks("dot", 16, 32, 128, 3, 4, 2),  # tile lowered to the group (64)
+                                    wna16.Blocks("dot", 16, 16, 64, 0, 4, 2),  # splits to fill the GPU
+                                    wna16.Blocks("dot", 32, 64, 64, 1, 4, 2, finish=False),  # unsplit
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
@@ -111,6 +114,24 @@ def test_a_split_finished_in_the_kernel_leaves_its_workspace_clean():
         torch.testing.assert_close(out, unfinished, rtol=1e-5, atol=1e-5)
         sums, counters = wna16.split_workspace(x.device, 0, 0)
         assert not sums.any() and not counters.any()
+
+
+@pytest.mark.parametrize("bits,group,symmetric,m,n,k", [(4, 32, False, 5, 40, 200), (4, 128, True, 17, 48, 384),
+                                                          (8, 64, False, 33, 24, 320), (8, 1000, True, 3, 16, 1000),
+                                                          (4, 64, True, 64, 72, 256)])
+def test_dot_tile_equals_the_reference(bits, group, symmetric, m, n, k):
+    """x as the tensor-core product's left operand and the weight tile unpacked whole: odd K (a last tile
+    cut short, words padded), zero points, per-channel scales, both widths, rows masked; x's next tile is
+    loaded ahead by hand, so a tile past a split's end must read nothing."""
+    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n * k)
+    packed = wna16.pack(values, bits).to(DEVICE)
+    scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
+    for blocks in (wna16.Blocks("dot", 16, 32, 64, 0, 4, 2), wna16.Blocks("dot", 64, 16, 128, 2, 4, 2)):
+        out = wna16.matmul(x, packed, scale, zero, bits, k, group, blocks=blocks)
+        error = (out - expected).norm() / expected.norm()
+        assert error < (1e-5 if DEVICE == "cpu" else 3e-3), (blocks, error.item())
 
 
 @pytest.mark.parametrize("group,symmetric,m,n,k,block_k", [(128, True, 1, 72, 1024, 64), (32, False, 3, 40, 160, 64),

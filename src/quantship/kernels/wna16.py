@@ -112,7 +112,8 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @dataclass(frozen=True)
 class Blocks:
     kind: str  # "gemv" (CUDA cores, a program per row of x), "gemv_bf16x2" (the int4 GEMV two values per
-    # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand), "dequantize"
+    # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand), "dot" (tensor
+    # cores, x as the left operand and the weight tile unpacked whole), "dequantize"
     block_m: int
     block_n: int
     block_k: int
@@ -337,6 +338,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
+    elif blocks.kind == "dot":
+        kernels.wna16_dot_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m, **common)
     else:
         kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
                                             **common)
