@@ -127,7 +127,8 @@ def candidates(m: int):
                 for split in (-1, 0)]
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
         return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
-                      for split in (0, 8)]
+                      for split in (0, 8)] + [Blocks("dot", 16, bn, 128, split, 4, 3) for bn in (64, 128)
+                                              for split in (0, -1)]
     if m > 64:
         return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
             Blocks("swap_dot", 64, bn, bk, 1, 4, 4) for bn in (64, 128) for bk in (128, 256)]
