@@ -128,7 +128,8 @@ def candidates(m: int):
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
         return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
                       for split in (0, 8)] + [Blocks("dot", 16, bn, 128, split, 4, 3) for bn in (64, 128)
-                                              for split in (0, -1)]
+                                              for split in (0, -1)] + [
+            Blocks("swap_x", 16, bn, 128, split, 4, 3) for bn in (64, 128) for split in (0, 8)]
     if m > 64:
         return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
             Blocks("swap_dot", 64, bn, bk, 1, 4, 4) for bn in (64, 128) for bk in (128, 256)]
@@ -138,6 +139,9 @@ def candidates(m: int):
     stages = (2, 4) if m <= 16 else (4,)
     out += [Blocks("swap_dot", rows, bn, bk, split, 4, stage) for bn in (64, 128) for bk in (128, 256)
             for split in splits for stage in stages]
+    # the swap tile reading x as it is, a K tile ahead
+    out += [Blocks("swap_x", rows, bn, bk, split, 4, 3) for bn in (64, 128) for bk in (128, 256)
+            for split in ((0, 4, 8) if m <= 16 else (0, 2, 4))]
     # x as the left operand, the weight tile unpacked whole (one product per K tile)
     out += [Blocks("dot", rows, bn, bk, split, 4, 3) for bn in (64, 128, 256) for bk in (64, 128) for split in (0, 4)]
     if rows == 64:
@@ -372,18 +376,22 @@ def adopted_table(r: dict):
     calls (at one row also the fastest float32 GEMV, for what the bf16x2 PTX cannot take), the fastest
     dequantize + cuBLAS for M past the last; and the most rows for which tinygemm beat them all (from one
     row up; 0: never)."""
+    from quantship.kernels.wna16 import BLOCKS_BY_M, choose_blocks
+
     ranking = runnable_ranking(r)
 
     def canonical(b):  # finish means nothing to dequantize + cuBLAS (no split): the default, whichever ran
         return replace(b, finish=True) if b.kind == "dequantize" else b
 
+    def fastest(m, kind, default):  # a sweep of some kernels only (--kinds) keeps the table's entry for the rest
+        return next((b for b, _ in ranking.get(m, []) if b.kind == kind), default)
+
     table = []
     for m in sorted(ranking):
         table.append((m, canonical(ranking[m][0][0])))
         if m == 1:
-            table.append((1, next(b for b, _ in ranking[1] if b.kind == "gemv")))
-    last = max(ranking)
-    table.append((None, canonical(next(b for b, _ in ranking[last] if b.kind == "dequantize"))))
+            table.append((1, fastest(1, "gemv", choose_blocks(1, bf16x2=False))))
+    table.append((None, canonical(fastest(max(ranking), "dequantize", BLOCKS_BY_M[-1][1]))))
     merged = []  # consecutive M classes with the same tiles are one entry, the larger limit
     for limit, b in table:
         if merged and merged[-1][1] == b and merged[-1][0] is not None and b.kind != "gemv":

@@ -83,6 +83,8 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
                                     wna16.Blocks("swap_dot", 16, 16, 128, 0, 4, 1),  # splits to fill the GPU
                                     wna16.Blocks("swap_dot", 16, 16, 128, 3, 4, 1, finish=False),  # memset, cast
                                     wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1, finish=False),
+                                    wna16.Blocks("swap_x", 16, 32, 256, 3, 4, 1),  # x as it is, spans groups
+                                    wna16.Blocks("swap_x", 32, 16, 128, 0, 4, 2),  # rows masked, splits
                                     wna16.Blocks("dot", 16, 32, 128, 3, 4, 2),  # tile lowered to the group (64)
                                     wna16.Blocks("dot", 16, 16, 64, 0, 4, 2),  # splits to fill the GPU
                                     wna16.Blocks("dot", 32, 64, 64, 1, 4, 2, finish=False),  # unsplit
@@ -119,16 +121,18 @@ def test_a_split_finished_in_the_kernel_leaves_its_workspace_clean():
 @pytest.mark.parametrize("bits,group,symmetric,m,n,k", [(4, 32, False, 5, 40, 200), (4, 128, True, 17, 48, 384),
                                                           (8, 64, False, 33, 24, 320), (8, 1000, True, 3, 16, 1000),
                                                           (4, 64, True, 64, 72, 256)])
-def test_dot_tile_equals_the_reference(bits, group, symmetric, m, n, k):
-    """x as the tensor-core product's left operand and the weight tile unpacked whole: odd K (a last tile
-    cut short, words padded), zero points, per-channel scales, both widths, rows masked; x's next tile is
-    loaded ahead by hand, so a tile past a split's end must read nothing."""
+def test_tiles_reading_x_ahead_equal_the_reference(bits, group, symmetric, m, n, k):
+    """The dot tile (x as the tensor-core product's left operand, the weight tile unpacked whole) and the
+    swap tile reading x as it is: odd K (a last tile cut short, words padded), zero points, per-channel
+    scales, groups narrower than the tile, both widths, rows masked; both load x's next tile ahead by
+    hand, so a tile past a split's end must read nothing."""
     values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n * k)
     packed = wna16.pack(values, bits).to(DEVICE)
     scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
-    for blocks in (wna16.Blocks("dot", 16, 32, 64, 0, 4, 2), wna16.Blocks("dot", 64, 16, 128, 2, 4, 2)):
+    for blocks in (wna16.Blocks("dot", 16, 32, 64, 0, 4, 2), wna16.Blocks("dot", 64, 16, 128, 2, 4, 2),
+                   wna16.Blocks("swap_x", 16, 32, 128, 0, 4, 2), wna16.Blocks("swap_x", 64, 16, 256, 2, 4, 2)):
         out = wna16.matmul(x, packed, scale, zero, bits, k, group, blocks=blocks)
         error = (out - expected).norm() / expected.norm()
         assert error < (1e-5 if DEVICE == "cpu" else 3e-3), (blocks, error.item())

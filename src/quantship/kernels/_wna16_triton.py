@@ -447,6 +447,80 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
 
 
 @triton.jit
+def _halves(t):
+    """[R, M, 2J] → the even and the odd positions of the last axis, [R, M, J] each (held in-thread: free)."""
+    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 2, 2]))
+
+
+@triton.jit
+def _value_slices(xs, PER_WORD: tl.constexpr):
+    """x's tile [R, BM, P] (x[m, k0 + r*P + i] at [r, m, i]) as P tensors [R, BM], the i-th the inputs that
+    value i of each word row multiplies: the tile is one vectorized load of x as it is, and the slices are
+    register selections."""
+    even, odd = _halves(xs)
+    if PER_WORD == 8:
+        e0, e1 = _halves(even)  # values 0, 4 and 2, 6
+        o0, o1 = _halves(odd)  # values 1, 5 and 3, 7
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        slices = (x0, x1, x2, x3, x4, x5, x6, x7)
+    else:
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        slices = (x0, x1, x2, x3)
+    return slices
+
+
+@triton.jit
+def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
+                        k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                        FINISH: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The swap tile (wna16_swap_dot_kernel's products) reading x as it is: a K tile's inputs are one
+    load [R, BM, P] (P consecutive inputs per thread, vectorized), sliced per value position in
+    registers (_value_slices), and loaded a tile ahead by hand; no permuted copy of x per call, and no
+    load of x between the products."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    r = tl.arange(0, ROWS)
+    inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
+    x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
+    word_rows = tl.cdiv(K, PER_WORD)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    xs = tl.load(x_rows + k_begin + inputs, mask=m_ok[None, :, None] & (k_begin + inputs < k_end), other=0.0)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_next = k0 + BLOCK_K + inputs
+        xs_next = tl.load(x_rows + k_next, mask=m_ok[None, :, None] & (k_next < k_end), other=0.0)
+        w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
+                                        group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
+        slices = _value_slices(xs, PER_WORD)
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in tl.static_range(PER_WORD):
+            v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+            if SPANS:
+                v = v * scale
+            part = tl.dot(v.to(x_ptr.dtype.element_ty), slices[i], part, out_dtype=tl.float32)
+        if SPANS:
+            acc += part
+        else:
+            acc += part * scale
+        xs = xs_next
+    offsets = offs_m[None, :] * N + offs_n[:, None]
+    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
+                pid_m * tl.num_programs(0) + pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH)
+
+
+@triton.jit
 def _kn_values(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, out_dtype: tl.constexpr,
                BITS: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr):
     """The word tile of word rows `rows` unpacked to [R*P, BN] signed values minus their offset in

@@ -312,10 +312,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
-    if blocks.kind == "swap_dot":  # whole permutation blocks of x (16 word rows: 128 inputs of 4 bits, 64 of 8)
+    if blocks.kind in ("swap_dot", "swap_x"):  # 16 word rows at least (a product's depth), so 128 inputs of 4 bits
         block = 16 * (32 // bits)
         block_k = max(block, block_k // block * block)
-        x2 = permute_x(x2, bits, block_k)
+        if blocks.kind == "swap_dot":  # whole permutation blocks of x
+            x2 = permute_x(x2, bits, block_k)
     gemv = blocks.kind in ("gemv", "gemv_bf16x2")
     rows = m if gemv else triton.cdiv(m, blocks.block_m)
     grid = (triton.cdiv(n, blocks.block_n), rows)
@@ -338,6 +339,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
+    elif blocks.kind == "swap_x":
+        kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
+                                          **common)
     elif blocks.kind == "dot":
         kernels.wna16_dot_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m, **common)
     else:
