@@ -141,11 +141,11 @@ def candidates(m: int):
             for split in splits for stage in stages]
     # the swap tile reading x as it is, a K tile ahead
     out += [Blocks("swap_x", rows, bn, bk, split, 4, 3) for bn in (64, 128) for bk in (128, 256)
-            for split in ((0, 4, 8) if m <= 16 else (0, 2, 4))]
+            for split in (0, 8 if m <= 16 else 4)]
     # x as the left operand, the weight tile unpacked whole (one product per K tile)
-    out += [Blocks("dot", rows, bn, bk, split, 4, 3) for bn in (64, 128, 256) for bk in (64, 128) for split in (0, 4)]
+    out += [Blocks("dot", rows, bn, bk, split, 4, 3) for bn in (128, 256) for bk in (64, 128) for split in (0, 4)]
     if rows == 64:
-        out += [Blocks("dot", rows, bn, bk, 0, 8, 3) for bn in (128, 256) for bk in (64, 128)]
+        out += [Blocks("dot", rows, 256, bk, 0, 8, 3) for bk in (64, 128)]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
