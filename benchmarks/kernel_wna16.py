@@ -243,7 +243,7 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
-              "errors": errors, "rows": rows, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES),
+              "errors": errors, "rows": rows, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -321,6 +321,28 @@ def _table_note(r: dict) -> str:
     return note
 
 
+# Sweeps of some kernels only (run --kinds ... --name NAME), rendered after the main run: file → what they timed.
+PARTIAL_SWEEPS = {
+    "kernel_wna16_dot": "the two tensor-core tiles that read x as it is, against the table they ran beside: `dot` "
+                        "(x as the left operand, the weight tile unpacked whole to [BK, BN] in the registers and "
+                        "staged by the product, one product per K tile) and `swap_x` (the swap tile's products, x "
+                        "loaded a tile ahead in one vectorized load and sliced per value position in registers, no "
+                        "permuted copy of x)",
+}
+
+
+def _partial_sweep_text() -> list[str]:
+    parts = []
+    for name, what in PARTIAL_SWEEPS.items():
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        parts += [f"A sweep of {what} (`run --sweep --kinds {' '.join(r.get('kinds', []))} --name {name}`, "
+                  f"{r['device']}, the table before it: {r['table']}):", "", *_sweep_text(r)[2:]]
+    return parts
+
+
 def render() -> None:
     r = json.loads((RESULTS / "kernel_wna16.json").read_text())
     rows = []
@@ -352,6 +374,7 @@ def render() -> None:
              "faster at 1, 32 and 64 rows over a layer, and the winners it adopted all finish in the kernel). "
              + _table_note(r), "",
              *_sweep_text(r),
+             *_partial_sweep_text(),
              "At one row the GEMV is about 1.9x bf16 cuBLAS over a layer, faster than tinygemm, and still reads "
              "well under the copy bandwidth (1.1-1.9 TB/s of 4.3 per call); from 4 to 16 rows the swap tile is "
              "level with bf16 to 1.16x faster, and at 32-64 rows slower than bf16 (0.9x, 0.73x over a layer). "
