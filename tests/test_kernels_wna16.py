@@ -292,17 +292,21 @@ def test_cpu_dequantize_is_the_quantized_tensors_own(bits, group, symmetric):
 
 
 def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
-    """int4 with bf16 x on a GPU takes the bf16x2 GEMV at one row; anything else (int8, fp16, CPU) the
-    float32 GEMV's own measured tiles, not the bf16x2 entry's; two rows on take the swap tile with as
-    many rows as the table measured for that M, past 64 dequantize + cuBLAS."""
-    assert wna16.choose_blocks(1).kind == "gemv_bf16x2"
-    plain = wna16.choose_blocks(1, bf16x2=False)
-    assert plain.kind == "gemv" and plain.block_k == 64
-    chosen = [wna16.choose_blocks(m, bf16x2) for m in (2, 16, 17, 33, 64, 65, 300) for bf16x2 in (True, False)]
-    assert [(b.kind, b.block_m) for b in chosen[::2]] == [("swap_dot", 16), ("swap_dot", 16), ("swap_dot", 32),
-                                                          ("swap_dot", 64), ("swap_dot", 64), ("dequantize", 0),
-                                                          ("dequantize", 0)]
-    assert chosen[::2] == chosen[1::2]
+    """Where the table gives one row the bf16x2 GEMV (int4 with bf16 x on a GPU), anything else (int8,
+    fp16, CPU) takes the float32 GEMV's own measured entry instead; two rows on take a tensor-core tile
+    whatever the dtype, in the order the table's classes go, and past its last class dequantize + cuBLAS."""
+    first, plain = wna16.choose_blocks(1), wna16.choose_blocks(1, bf16x2=False)
+    assert plain.kind != "gemv_bf16x2"
+    if first.kind == "gemv_bf16x2":
+        assert plain.kind == "gemv" and plain == wna16.BLOCKS_BY_M[1][1]
+    else:
+        assert plain == first
+    classes = [limit for limit, _ in wna16.BLOCKS_BY_M if limit is not None]
+    last = max(classes)
+    for m in (2, 16, 17, 33, last, last + 1, 300):
+        chosen = wna16.choose_blocks(m)
+        assert chosen == wna16.choose_blocks(m, bf16x2=False)
+        assert chosen.kind == "dequantize" if m > last else chosen.kind in ("swap_dot", "swap_x", "dot")
 
 
 @pytest.mark.parametrize("bits,k", [(4, 300), (8, 64), (4, 128)])
