@@ -125,6 +125,11 @@ def candidates(m: int):
     if m == 1:
         out += [Blocks("gemv_bf16x2", 1, bn, 128, split, warps, 1) for bn in (128, 256) for warps in (2, 4)
                 for split in (-1, 0)]
+        # more outputs per thread (4 or 8 where the table's has 2): x's loads and pairing, the same for every
+        # output of a thread, are shared by more weights
+        out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1) for bn, warps in ((256, 1), (256, 2), (512, 2),
+                                                                                   (512, 4), (1024, 4))
+                for bk in (64, 128)]
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
         return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
                       for split in (0, 8)] + [Blocks("dot", 16, bn, 128, split, 4, 3) for bn in (64, 128)
