@@ -17,7 +17,12 @@ partial dot product once per output instead of every weight.
 Three kernels share the layout (_wna16_triton.py): a CUDA-core GEMV (plus a bf16x2 variant for one
 row of bf16 x), a tensor-core tile for a few to 64 rows that takes x permuted per call (permute_x:
 a copy of x, the weight stays as packed), and a dequantize pass that writes the bf16 weight once
-for cuBLAS. The small-M ones split K over several programs and add partial sums atomically (fp32),
+for cuBLAS. Two more tensor-core tiles read x as it is and load it a K tile ahead, where the swap
+tile loads a slice of x from L2 before each of its 8 products (the compiled kernel shows each load,
+its shared-memory store and the product's wait in series): "swap_x" (the swap tile's products, x
+sliced per value position in registers) and "dot" (x as the left operand, the weight tile unpacked
+whole, one product per K tile). They are sweep candidates; the table takes them where they measure
+faster. The small-M ones split K over several programs and add partial sums atomically (fp32),
 so a batch-1 product still fills the GPU; they gather scales per word row where a tile spans
 quantization groups. Which runs for which M is a fixed table measured on an H200
 (benchmarks/kernel_wna16.py), never tuned on the request path. `tinygemm_pack` makes the same int4
