@@ -620,12 +620,17 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"the same table; decode attention splits its keys where that pays (not at these contexts)":
+    "": {"H100: swap_x from 2 to 16 rows": "_swap_x",
+         "H100, the same machine: the swap tile at 16 rows (batch 16 only)": "_swap_dot_h100",
+         "the same table; decode attention splits its keys where that pays (not at these contexts)":
          "_split_attention",
          "the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"27 layers, MLA's cache write in one kernel": "_latent_write",
+    "_v2-lite": {"H100, 27 layers, swap_x from 2 to 32 rows": "_swap_x",
+                 "H100, 27 layers, graphs of prompt chunks, decode steps run ahead, rotations in the decode "
+                 "kernels": "_run_ahead",
+                 "27 layers, MLA's cache write in one kernel": "_latent_write",
                  "27 layers, MLA's decode attention split over the keys": "_split_attention",
                  "27 layers, shared experts folded into the routed stacks, slot GEMV in bf16 pairs chosen by all "
                  "slots": "_bf16x2",

@@ -45,10 +45,6 @@ for bits in (4, 8):
                 compile(wna16.wna16_swap_x_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
                              EVEN_K=spans))
-                # x on the left, the unpacked tile on the right: mma.sync at 16 rows, wgmma at 64
-                compile(wna16.wna16_dot_kernel, matmul,
-                        {k: v for k, v in dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=spans).items()
-                         if k != "SPANS"})
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128})
@@ -144,4 +140,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 152
+    assert done.stdout.count(" ok") == 136

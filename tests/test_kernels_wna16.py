@@ -85,9 +85,6 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
                                     wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1, finish=False),
                                     wna16.Blocks("swap_x", 16, 32, 256, 3, 4, 1),  # x as it is, spans groups
                                     wna16.Blocks("swap_x", 32, 16, 128, 0, 4, 2),  # rows masked, splits
-                                    wna16.Blocks("dot", 16, 32, 128, 3, 4, 2),  # tile lowered to the group (64)
-                                    wna16.Blocks("dot", 16, 16, 64, 0, 4, 2),  # splits to fill the GPU
-                                    wna16.Blocks("dot", 32, 64, 64, 1, 4, 2, finish=False),  # unsplit
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)
@@ -121,18 +118,17 @@ def test_a_split_finished_in_the_kernel_leaves_its_workspace_clean():
 @pytest.mark.parametrize("bits,group,symmetric,m,n,k", [(4, 32, False, 5, 40, 200), (4, 128, True, 17, 48, 384),
                                                           (8, 64, False, 33, 24, 320), (8, 1000, True, 3, 16, 1000),
                                                           (4, 64, True, 64, 72, 256)])
-def test_tiles_reading_x_ahead_equal_the_reference(bits, group, symmetric, m, n, k):
-    """The dot tile (x as the tensor-core product's left operand, the weight tile unpacked whole) and the
-    swap tile reading x as it is: odd K (a last tile cut short, words padded), zero points, per-channel
-    scales, groups narrower than the tile, both widths, rows masked; both load x's next tile ahead by
-    hand, so a tile past a split's end must read nothing."""
+def test_swap_tile_reading_x_as_it_is_equals_the_reference(bits, group, symmetric, m, n, k):
+    """The swap tile reading x as it is (swap_x): odd K (a last tile cut short, words padded), zero points,
+    per-channel scales, groups narrower than the tile, both widths, rows masked, K split or not; it loads
+    x's next tile ahead by hand, so a tile past a split's end must read nothing."""
     values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n * k)
     packed = wna16.pack(values, bits).to(DEVICE)
     scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
-    for blocks in (wna16.Blocks("dot", 16, 32, 64, 0, 4, 2), wna16.Blocks("dot", 64, 16, 128, 2, 4, 2),
-                   wna16.Blocks("swap_x", 16, 32, 128, 0, 4, 2), wna16.Blocks("swap_x", 64, 16, 256, 2, 4, 2)):
+    for blocks in (wna16.Blocks("swap_x", 16, 32, 128, 0, 4, 2), wna16.Blocks("swap_x", 64, 16, 256, 2, 4, 2),
+                   wna16.Blocks("swap_x", 32, 64, 128, -1, 4, 3, finish=False)):
         out = wna16.matmul(x, packed, scale, zero, bits, k, group, blocks=blocks)
         error = (out - expected).norm() / expected.norm()
         assert error < (1e-5 if DEVICE == "cpu" else 3e-3), (blocks, error.item())
@@ -306,7 +302,7 @@ def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
     for m in (2, 16, 17, 33, last, last + 1, 300):
         chosen = wna16.choose_blocks(m)
         assert chosen == wna16.choose_blocks(m, bf16x2=False)
-        assert chosen.kind == "dequantize" if m > last else chosen.kind in ("swap_dot", "swap_x", "dot")
+        assert chosen.kind == "dequantize" if m > last else chosen.kind in ("swap_dot", "swap_x")
 
 
 @pytest.mark.parametrize("bits,k", [(4, 300), (8, 64), (4, 128)])

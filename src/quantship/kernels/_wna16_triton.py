@@ -8,8 +8,9 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
   value masked in place, with the offset folded into the subtraction (_word_values).
 - wna16_gemv_bf16x2_kernel: the int4 GEMV with bf16 x, two values per instruction through inline
   bf16x2 PTX (GPU only); the table's choice for one row (14% faster than the float32 GEMV, measured).
-- wna16_swap_dot_kernel (9 to 64 rows): y^T = W x^T on tensor cores, one product per value position
+- wna16_swap_dot_kernel (33 to 64 rows): y^T = W x^T on tensor cores, one product per value position
   of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
+- wna16_swap_x_kernel (2 to 32 rows): the same products, x read as it is, a K tile ahead.
 - dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 packed_tile_dot is the fused MoE's tile (x rows gathered per expert, x's columns strided).
 """
@@ -517,69 +518,6 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
         xs = xs_next
     offsets = offs_m[None, :] * N + offs_n[:, None]
     _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
-                pid_m * tl.num_programs(0) + pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH)
-
-
-@triton.jit
-def _kn_values(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, out_dtype: tl.constexpr,
-               BITS: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr):
-    """The word tile of word rows `rows` unpacked to [R*P, BN] signed values minus their offset in
-    `out_dtype` (exact small integers), in the natural input order (row r*P + i is value i of word row r),
-    and its group's scale row [BN] (the tile lies inside one group): the right operand of a tensor-core
-    product, which the product stages in shared memory, so the unpacking's reshape costs no extra pass."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    ok = offs_n[None, :] < N
-    if not EVEN_K:
-        ok = ok & (rows[:, None] < word_rows)
-    w = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=ok, other=0, eviction_policy="evict_first")
-    shifts = tl.arange(0, PER_WORD) * BITS
-    q = _to_float((w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1))  # [R, P, BN]
-    scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
-    if HAS_ZERO:
-        q = q - base[:, None, :]
-    else:
-        q = q - (1 << (BITS - 1))
-    values = tl.reshape(q.to(out_dtype), [rows.shape[0] * PER_WORD, offs_n.shape[0]])
-    return values, tl.sum(scale, axis=0)
-
-
-@triton.jit
-def wna16_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
-                     k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                     FINISH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """y = x W^T on tensor cores with x as the left operand [BM, BK] (as it is, no permutation) and the
-    weight tile unpacked to [BK, BN] in x's dtype as the right one: one product per K tile (the swap
-    tile makes one per value position). The tile lies inside one quantization group (BLOCK_K divides
-    it), so the group's scales multiply the product. EVEN_K: K is whole tiles (no input masks)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    r = tl.arange(0, ROWS)
-    word_rows = tl.cdiv(K, PER_WORD)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    x = tl.load(x_rows + (k_begin + offs_k)[None, :], mask=m_ok[:, None] & ((k_begin + offs_k)[None, :] < k_end),
-                other=0.0)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        # x's next tile is loaded here, by hand: the pipeliner stages only the weight's loads, and a load
-        # of x issued just before its product would put a full L2 round trip into every K step
-        k_next = k0 + BLOCK_K + offs_k
-        x_next = tl.load(x_rows + k_next[None, :], mask=m_ok[:, None] & (k_next[None, :] < k_end), other=0.0)
-        values, scale = _kn_values(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size,
-                                   x_ptr.dtype.element_ty, BITS, HAS_ZERO, EVEN_K)
-        acc += tl.dot(x, values, out_dtype=tl.float32) * scale[None, :]
-        x = x_next
-    offsets = offs_m[:, None] * N + offs_n[None, :]
-    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[:, None] & (offs_n[None, :] < N),
                 pid_m * tl.num_programs(0) + pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH)
 
 

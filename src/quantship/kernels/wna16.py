@@ -17,14 +17,13 @@ partial dot product once per output instead of every weight.
 Three kernels share the layout (_wna16_triton.py): a CUDA-core GEMV (plus a bf16x2 variant for one
 row of bf16 x), a tensor-core tile for a few to 64 rows that takes x permuted per call (permute_x:
 a copy of x, the weight stays as packed), and a dequantize pass that writes the bf16 weight once
-for cuBLAS. Two more tensor-core tiles read x as it is and load it a K tile ahead, where the swap
-tile loads a slice of x from L2 before each of its 8 products (the compiled kernel shows each load,
-its shared-memory store and the product's wait in series): "swap_x" (the swap tile's products, x
-sliced per value position in registers) and "dot" (x as the left operand, the weight tile unpacked
-whole, one product per K tile). They are sweep candidates; the table takes them where they measure
-faster. The small-M ones split K over several programs and add partial sums atomically (fp32),
-so a batch-1 product still fills the GPU; they gather scales per word row where a tile spans
-quantization groups. Which runs for which M is a fixed table measured on an H200
+for cuBLAS. A variant of the swap tile, "swap_x", reads x as it is and a K tile ahead (one vectorized
+load, sliced per value position in registers), where the swap tile loads a slice of permuted x from
+L2 before each of its 8 products (the compiled kernel shows each load, its shared-memory store and the
+product's wait in series); the table takes it from 2 to 32 rows, where it measured faster. The
+small-M ones split K over several programs and add partial sums atomically (fp32), so a batch-1
+product still fills the GPU; they gather scales per word row where a tile spans quantization
+groups. Which runs for which M is a fixed table measured on an H200 and an H100
 (benchmarks/kernel_wna16.py), never tuned on the request path. `tinygemm_pack` makes the same int4
 weight for PyTorch's own decode kernel, which measured as fast as ours at one row and faster at a
 few (models/quantized.py sends it up to 8).
@@ -117,8 +116,8 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @dataclass(frozen=True)
 class Blocks:
     kind: str  # "gemv" (CUDA cores, a program per row of x), "gemv_bf16x2" (the int4 GEMV two values per
-    # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand), "dot" (tensor
-    # cores, x as the left operand and the weight tile unpacked whole), "dequantize"
+    # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand, x permuted),
+    # "swap_x" (the same products, x read as it is), "dequantize"
     block_m: int
     block_n: int
     block_k: int
@@ -130,13 +129,15 @@ class Blocks:
 
 # M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` on an
 # H200, summed over the four Linear calls of a 6.7B decoder layer, written here by its `adopt` (BENCHMARKS.md
-# has the run). At one row the bf16x2 GEMV, and where its PTX cannot run (int8, fp16, off the GPU) the float32
-# GEMV's own entry; then the swap tile; past the last class dequantize + cuBLAS.
+# has the run); the 16 and 32 classes from sweeps of swap_x beside that table on an H100 (`--kinds swap_x`:
+# 14% and 5% faster than the swap tile there, the 64 class 4% slower, so it kept the swap tile). At one row
+# the bf16x2 GEMV, and where its PTX cannot run (int8, fp16, off the GPU) the float32 GEMV's own entry; then
+# the swap tiles; past the last class dequantize + cuBLAS.
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
-    (16, Blocks("swap_dot", 16, 128, 128, 8, 4, 4)),
-    (32, Blocks("swap_dot", 32, 64, 128, 4, 4, 4)),
+    (16, Blocks("swap_x", 16, 128, 256, 8, 4, 3)),
+    (32, Blocks("swap_x", 32, 64, 128, 4, 4, 3)),
     (64, Blocks("swap_dot", 64, 128, 128, 4, 4, 4)),
     (None, Blocks("dequantize", 0, 64, 64, 1, 4, 1)),
 ]
@@ -347,8 +348,6 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
                                           **common)
-    elif blocks.kind == "dot":
-        kernels.wna16_dot_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m, **common)
     else:
         kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
                                             **common)
