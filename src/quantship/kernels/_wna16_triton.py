@@ -397,6 +397,24 @@ def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, 
 
 
 @triton.jit
+def _swap_program(M, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """A swap tile program's rows of x (and their mask), outputs, word rows of a K tile, and K range."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    return offs_m, offs_n, offs_m < M, tl.arange(0, ROWS), k_begin, tl.minimum(k_begin + k_per_split, K)
+
+
+@triton.jit
+def _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC: tl.constexpr,
+                FINISH: tl.constexpr):
+    """y^T's tile [BN, BM] into y [M, N] (_store_tile)."""
+    offsets = offs_m[None, :] * N + offs_n[:, None]
+    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
+                tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.cdiv(K, k_per_split), ATOMIC, FINISH)
+
+
+@triton.jit
 def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                           k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, SPANS: tl.constexpr,
@@ -412,13 +430,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    r = tl.arange(0, ROWS)
+    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
     if ROWS == 16:
         x_cols = r
     else:
@@ -426,8 +438,6 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     x_rows = x_ptr + offs_m[None, :] * stride_xm
     word_rows = tl.cdiv(K, PER_WORD)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
                                         group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
@@ -442,9 +452,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
             acc += part
         else:
             acc += part * scale
-    offsets = offs_m[None, :] * N + offs_n[:, None]
-    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
-                pid_m * tl.num_programs(0) + pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH)
+    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
 
 @triton.jit
@@ -485,19 +493,11 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     load of x between the products."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    r = tl.arange(0, ROWS)
+    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
     inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
     x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
     word_rows = tl.cdiv(K, PER_WORD)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
     xs = tl.load(x_rows + k_begin + inputs, mask=m_ok[None, :, None] & (k_begin + inputs < k_end), other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = k0 + BLOCK_K + inputs
@@ -516,9 +516,7 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
         else:
             acc += part * scale
         xs = xs_next
-    offsets = offs_m[None, :] * N + offs_n[:, None]
-    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
-                pid_m * tl.num_programs(0) + pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH)
+    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
 
 @triton.jit
