@@ -629,7 +629,7 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
     "_v2-lite": {"H100, 27 layers, swap_x from 2 to 32 rows": "_swap_x",
                  "H100, 27 layers, graphs of prompt chunks, decode steps run ahead, rotations in the decode "
-                 "kernels": "_run_ahead",
+                 "kernels, before swap_x": "_run_ahead",
                  "27 layers, MLA's cache write in one kernel": "_latent_write",
                  "27 layers, MLA's decode attention split over the keys": "_split_attention",
                  "27 layers, shared experts folded into the routed stacks, slot GEMV in bf16 pairs chosen by all "
