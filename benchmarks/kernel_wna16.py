@@ -251,15 +251,18 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
         print(label, "relative error vs float32 reference:", e)
 
 
+REMOVED_KINDS = {"dot"}  # swept once and slower everywhere: gone from kernels.wna16
+
+
 def runnable_ranking(r: dict) -> dict:
     """A --sweep run's candidates per M, fastest first, as Blocks the code can run: a swap tile that had
-    "pairs" on (int4 values made as bf16 pairs, measured slower and removed) is left out; other kernels
-    ignored that field."""
+    "pairs" on (int4 values made as bf16 pairs, measured slower and removed) and removed kernels are left
+    out; other kernels ignored that field."""
     from quantship.kernels.wna16 import Blocks
 
     fields = {f.name for f in dataclasses.fields(Blocks)}
     return {int(m): [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
-                     if not (b.get("pairs") and b["kind"] == "swap_dot")]
+                     if not (b.get("pairs") and b["kind"] == "swap_dot") and b["kind"] not in REMOVED_KINDS]
             for m, items in r["ranking"].items()}
 
 
@@ -323,7 +326,7 @@ def _table_note(r: dict) -> str:
 
 # Sweeps of some kernels only (run --kinds ... --name NAME), rendered after the main run: file → what they timed.
 PARTIAL_SWEEPS = {
-    "kernel_wna16_dot": "two tensor-core tiles that read x as it is, beside the table (swap tile from 4 to 64 rows), "
+    "kernel_wna16_dot": "two tensor-core tiles that read x as it is, beside the table (swap tile from 2 to 64 rows), "
                         "on an H100: `swap_x` (the swap tile's products, x loaded a K tile ahead in one vectorized "
                         "load and sliced per value position in registers, no permuted copy of x) and `dot` (x as "
                         "the left operand, the weight tile unpacked whole into the product's staged operand, one "
