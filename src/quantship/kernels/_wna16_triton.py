@@ -457,15 +457,16 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
 
 @triton.jit
 def _halves(t):
-    """[R, M, 2J] → the even and the odd positions of the last axis, [R, M, J] each (held in-thread: free)."""
+    """[R, M, 2J] → the even and the odd positions of the last axis, [R, M, J] each."""
     return tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 2, 2]))
 
 
 @triton.jit
 def _value_slices(xs, PER_WORD: tl.constexpr):
     """x's tile [R, BM, P] (x[m, k0 + r*P + i] at [r, m, i]) as P tensors [R, BM], the i-th the inputs that
-    value i of each word row multiplies: the tile is one vectorized load of x as it is, and the slices are
-    register selections."""
+    value i of each word row multiplies. The tile is one vectorized load of x as it is; the slices are
+    register selections where each thread holds its inputs' P values (the compiled kernel rearranges the
+    small x tile once per K tile before the first split, the weights not at all)."""
     even, odd = _halves(xs)
     if PER_WORD == 8:
         e0, e1 = _halves(even)  # values 0, 4 and 2, 6
