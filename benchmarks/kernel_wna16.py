@@ -169,7 +169,6 @@ def tinygemm(x, values: torch.Tensor, scale: torch.Tensor):
 def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds: tuple[str, ...] = (),
                ms: tuple[int, ...] = tuple(MS)) -> tuple[list[dict], dict]:
     from quantship.kernels import wna16
-    from quantship.kernels.wna16 import choose_blocks
 
     rows, sweep_times = [], {}
     w4 = random_packed(n, k, 4, True, copies=max(2, (256 << 20) // (n * k // 2)), keep_values=True)
@@ -200,7 +199,7 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
         if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
             reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
             for blocks in candidates(m):
-                if kinds and blocks.kind not in kinds and blocks != replace(choose_blocks(m), finish=False):
+                if kinds and blocks.kind not in kinds and blocks != replace(wna16.choose_blocks(m), finish=False):
                     continue
                 try:
                     got = wna16.matmul(x, *w4[0], 4, k, GROUP, blocks=blocks).float()
@@ -326,14 +325,30 @@ def _table_note(r: dict) -> str:
 
 # Sweeps of some kernels only (run --kinds ... --name NAME), rendered after the main run: file → what they timed.
 PARTIAL_SWEEPS = {
-    "kernel_wna16_dot": "two tensor-core tiles that read x as it is, beside the table (swap tile from 2 to 64 rows), "
-                        "on an H100: `swap_x` (the swap tile's products, x loaded a K tile ahead in one vectorized "
-                        "load and sliced per value position in registers, no permuted copy of x) and `dot` (x as "
-                        "the left operand, the weight tile unpacked whole into the product's staged operand, one "
-                        "product per K tile; it lost at every M: 132, 139 and 194 µs at 1, 16 and 64 rows, so it "
-                        "is gone), plus one-row GEMVs with 4-8 outputs per thread (none beat the table's)",
-    "kernel_wna16_swap_x": "`swap_x` at 4 and 32 rows on the same H100, the 16-row class already swap_x",
+    "kernel_wna16_dot": "two tensor-core tiles that read x as it is, beside the table (the swap tile from 2 to 64 "
+                        "rows): `swap_x` (the swap tile's products, x loaded a K tile ahead in one vectorized load "
+                        "and sliced per value position in registers, no permuted copy of x) and `dot` (x as the "
+                        "left operand, the weight tile unpacked whole into the product's staged operand, one product "
+                        "per K tile; slower at every M, so it is gone), plus one-row GEMVs with 4-8 outputs per "
+                        "thread",
+    "kernel_wna16_swap_x": "`swap_x` at 4 and 32 rows, its 16-row tiles already the table's",
 }
+
+
+def _kind_rows(r: dict) -> tuple[list[str], list[list]]:
+    """Per swept M: the layer's four calls summed (µs) in bf16, with the run's table, and the fastest
+    tiles of each kernel the sweep timed (removed ones included: what they measured is why they went)."""
+    kinds = list(dict.fromkeys(b["kind"] for items in r["ranking"].values() for b, _ in items))
+    rows = []
+    for m, items in sorted(r["ranking"].items(), key=lambda kv: int(kv[0])):
+        calls = [row for row in r["rows"] if row["m"] == int(m) and row["shape"] in r["sweep_shapes"]]
+        dense = sum(row["bf16_s"] for row in calls)
+        row = [m, f"{dense * 1e6:.1f}", f"{sum(c['w4a16_s'] for c in calls) * 1e6:.1f}"]
+        for kind in kinds:
+            t = min((t for b, t in items if b["kind"] == kind), default=None)
+            row.append("-" if t is None else f"{t * 1e6:.1f} ({dense / t:.2f}x)")
+        rows.append(row)
+    return ["M", "bf16 µs", "run's table µs", *(f"fastest {k} µs (vs bf16)" for k in kinds)], rows
 
 
 def _partial_sweep_text() -> list[str]:
@@ -343,8 +358,10 @@ def _partial_sweep_text() -> list[str]:
         if not path.exists():
             continue
         r = json.loads(path.read_text())
+        header, rows = _kind_rows(r)
         parts += [f"A sweep of {what} (`run --sweep --kinds {' '.join(r.get('kinds', []))} --name {name}`, "
-                  f"{r['device']}; the run's table column is the table it started with):", "", *_sweep_text(r)[2:]]
+                  f"{r['device']}; one layer's four calls summed; the run's table is the table it started with):",
+                  "", table(header, rows), ""]
     return parts
 
 
@@ -380,11 +397,9 @@ def render() -> None:
              + _table_note(r), "",
              *_sweep_text(r),
              *_partial_sweep_text(),
-             "Since those sweeps the table takes `swap_x` from 2 to 32 rows: on the H100, over a layer, 1.76x bf16 "
-             "at 16 rows where the swap tile gave 1.51x, 1.34x at 32 where it gave 1.28x; at 64 rows the swap tile "
-             "stays (swap_x 4% slower). In the engine on the same H100 (6.7B shape, batch 16), the W4A16 decode step "
-             "went from 1.40x to 1.58x bf16's (the quick runs in the engine section). The H200 figures below are "
-             "from before it.", "",
+             "Since those sweeps the table takes `swap_x` from 2 to 32 rows, where it was the fastest, and keeps "
+             "the swap tile at 64; the engine section's H100 quick runs show the decode step with each. The H200 "
+             "figures below are from before it.", "",
              "At one row the GEMV is about 1.9x bf16 cuBLAS over a layer, faster than tinygemm, and still reads "
              "well under the copy bandwidth (1.1-1.9 TB/s of 4.3 per call); from 4 to 16 rows the swap tile is "
              "level with bf16 to 1.16x faster, and at 32-64 rows slower than bf16 (0.9x, 0.73x over a layer). "

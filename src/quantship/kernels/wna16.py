@@ -25,8 +25,8 @@ small-M ones split K over several programs and add partial sums atomically (fp32
 product still fills the GPU; they gather scales per word row where a tile spans quantization
 groups. Which runs for which M is a fixed table measured on an H200 and an H100
 (benchmarks/kernel_wna16.py), never tuned on the request path. `tinygemm_pack` makes the same int4
-weight for PyTorch's own decode kernel, which measured as fast as ours at one row and faster at a
-few (models/quantized.py sends it up to 8).
+weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
+copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 """
 
 from __future__ import annotations
