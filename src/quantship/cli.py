@@ -24,7 +24,7 @@ from quantship.argtypes import (
     number,
     token_counts,
 )
-from quantship.errors import QuantshipError
+from quantship.errors import QuantshipError, Terminated, as_stop, clear_stop, stop_on_signal
 from quantship.files import check_output_location
 
 
@@ -852,18 +852,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so the same cleanup runs."""
-
-
-def _on_sigterm(signum, frame):
-    # `timeout`, a Kubernetes Job and systemd stop a process with SIGTERM, whose default action skips
-    # every cleanup; unwinding instead removes partial outputs exactly as Ctrl-C does. serve
-    # replaces this handler with its own draining one once it is listening.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-    raise Terminated()
-
-
 DEPLOY_SUBCOMMANDS = ("generate", "validate", "verify")
 
 
@@ -920,10 +908,20 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
         return exc.code if isinstance(exc.code, int) else 2
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    # `timeout`, a Kubernetes Job and systemd stop a process with SIGTERM, whose default action skips every
+    # cleanup; unwinding instead removes partial outputs exactly as Ctrl-C does. serve replaces these
+    # handlers with its own draining ones once it is listening.
+    clear_stop()
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        _check_device(getattr(args, "device", None))
-        return args.func(args)
+        try:
+            _check_device(getattr(args, "device", None))
+            return args.func(args)
+        except Exception as exc:
+            stop = as_stop(exc)
+            if stop is exc:
+                raise
+            raise stop from exc  # the signal came while native code ran, which replaced its exception
     except QuantshipError as exc:
         print(f"quantship {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -953,8 +951,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""The one error type the CLI turns into a one-line message and exit code 2."""
+"""The one error type the CLI turns into a one-line message and exit code 2, and how a stop by signal is told
+apart from an error."""
+
+import signal
 
 
 class QuantshipError(Exception):
@@ -10,3 +13,38 @@ class QuantshipError(Exception):
     def __init__(self, message: str, path: object | None = None):
         self.path = None if path is None else str(path)
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so the same cleanup runs."""
+
+
+# The signal that asked this process to stop, set by the CLI's handlers. A handler's exception raised while
+# native code runs (torch building a tensor for safetensors, say) can come out as that code's own error
+# instead, which would then pass for bad input: this record says what really happened.
+_stop = {"signal": None}
+
+
+def stop_signal() -> int | None:
+    """The signal (SIGINT or SIGTERM) that asked this process to stop, or None."""
+    return _stop["signal"]
+
+
+def clear_stop() -> None:
+    _stop["signal"] = None
+
+
+def stop_on_signal(signum, frame):
+    """Signal handler for SIGINT and SIGTERM: records the stop, then unwinds like Ctrl-C."""
+    if signum == signal.SIGTERM:  # a second SIGTERM must not cut the cleanup short (a second Ctrl-C may)
+        signal.signal(signum, signal.SIG_IGN)
+    _stop["signal"] = signum
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def as_stop(exc: BaseException) -> BaseException:
+    """The exception to unwind with: ``exc``, or the stop it stands for when a signal arrived meanwhile."""
+    signum = stop_signal()
+    if signum is None or isinstance(exc, KeyboardInterrupt):
+        return exc
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship import __version__
-from quantship.errors import QuantshipError
+from quantship.errors import QuantshipError, as_stop
 from quantship.files import check_output_location, publish_directory, sha256_file
 from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
 from quantship.models.bundled import TINY_DIR, resolve_model
@@ -474,7 +474,8 @@ def quantize(model: str | Path | None, out: str | Path, opts: QuantizeOptions,
     except BaseException as exc:
         # Kept for --resume: finished layers of a run stopped by Ctrl-C, SIGTERM or a crash (out of memory...).
         # Bad input is not kept: fixing it changes the source, which a resumed run would refuse anyway.
-        if run.state is None or isinstance(exc, QuantshipError):
+        # (A signal that native code turned into a read error is a stop, not bad input: as_stop.)
+        if run.state is None or isinstance(as_stop(exc), QuantshipError):
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             done = run.state["next_layer"]
