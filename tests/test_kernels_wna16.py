@@ -13,7 +13,10 @@ from quantship.kernels import wna16
 from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, use_cpu_kernels, weight_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from quantship.kernels._wna16_triton import _x_pairs  # noqa: E402  (needs triton)
 
 
 def random_quantized(n, k, bits, group, symmetric, seed):
@@ -323,3 +326,32 @@ def test_permuted_x_puts_each_value_positions_inputs_side_by_side(bits, k):
         source = b * block + j * per_word + i
         expected = x[:, source] if source < k else torch.zeros(2)
         assert torch.equal(out[:, column], expected), column
+
+
+@pytest.mark.parametrize("k,k0", [(1024, 128), (200, 128), (131, 64)])
+def test_bf16x2_gemv_pairs_inputs_i_and_i_plus_4_of_each_word_row(k, k0):
+    """The bf16x2 GEMV's x operands, built from one load of the tile (the PTX that takes them runs only on a
+    GPU, the pairing runs here): pair i of word row r holds input k0 + 8r + i in its low half and k0 + 8r
+    + i + 4 in its high half, as bf16 bits, 0 past K."""
+    rows = 16
+    x = torch.randn(k, generator=torch.Generator().manual_seed(k)).to(DEVICE, torch.bfloat16)
+    out = torch.zeros(rows, 4, dtype=torch.int32, device=DEVICE)
+    pairs_kernel[(1,)](x, out, k, k0, ROWS=rows)
+    bits = (x.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    for r in range(rows):
+        for i in range(4):
+            low, high = (bits[j] if j < k else 0 for j in (k0 + 8 * r + i, k0 + 8 * r + i + 4))
+            word = low | (high << 16)
+            assert out[r, i].item() == (word - (1 << 32) if word >= 1 << 31 else word), (r, i)
+
+
+@triton.jit
+def pairs_kernel(x_ptr, out_ptr, K, k0, ROWS: tl.constexpr):
+    """Writes the bf16x2 GEMV's x pairs of one K tile ([R, 4] int32)."""
+    r = tl.arange(0, ROWS)
+    p0, p1, p2, p3 = _x_pairs(x_ptr, k0, r, K)
+    rows = out_ptr + r[:, None] * 4
+    tl.store(rows, p0)
+    tl.store(rows + 1, p1)
+    tl.store(rows + 2, p2)
+    tl.store(rows + 3, p3)
