@@ -379,22 +379,22 @@ def packed_tile_dot(a_rows, a_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_s
     """[BLOCK_M, BN] float32: rows of x (`a_rows`: a pointer to each row's start, `a_ok` its mask) times
     input rows k0 .. k0 + BLOCK_K of the packed weight, on tensor cores. The word tile is loaded once
     and gives one product per value position i (x's columns r*P + i against values i of the tile's
-    word rows), so it is never reshaped. SPANS: the tile spans groups and the scales multiply the
-    values; else one group's scale row multiplies the product."""
+    word rows), so it is never reshaped; x's tile is one load [BM, R, P] sliced per position
+    (_value_slices), used as it is (_exact_values). SPANS: the tile spans groups and the scales multiply
+    the values; else one group's scale row multiplies the product."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     r = tl.arange(0, ROWS)
     w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
                                      group_size, BITS, HAS_ZERO, SPANS)
+    k = k0 + r[None, :, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [1, R, P]
+    xs = _value_slices(tl.load(a_rows[:, None, None] + k, mask=a_ok[:, None, None] & (k < K), other=0.0), PER_WORD)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in tl.static_range(PER_WORD):
-        k = k0 + r * PER_WORD + i
-        x = tl.load(a_rows[:, None] + k[None, :], mask=a_ok[:, None] & (k[None, :] < K), other=0.0)
-        x = (x.to(tl.float32) * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))).to(a_rows.dtype.element_ty)
-        v = _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+        v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
         if SPANS:
             v = v * scale
-        part = tl.dot(x, v.to(a_rows.dtype.element_ty), part, out_dtype=tl.float32)
+        part = tl.dot(xs[i], v.to(a_rows.dtype.element_ty), part, out_dtype=tl.float32)
     if not SPANS:
         part = part * scale
     return part
