@@ -6,10 +6,12 @@ Then here: .venv/bin/python benchmarks/kernel_fused_moe.py render
 
 Each variant is timed as CUDA-graph replays of calls that rotate over 8 random routings (uniform top-k),
 so consecutive calls mostly pick other experts and read them from memory, not from the L2. Variants:
-bf16 experts in blocks; W4A16 g128 experts in blocks (decode blocks of 16 rows with K split 1 and 4,
-prefill blocks of 64 rows with K tiles of 64 and 128, dequantized in the kernel); W4A16 as a GEMV row per
-slot (decode only); at prefill, W4A16 dequantized once in chunks then the bf16 blocks (the default
-there), and the time to dequantize every expert to bf16 alone (the Triton dequantize kernel). Every W4A16 variant is checked
+bf16 experts in blocks; W4A16 g128 experts in blocks (decode blocks of 16 rows with K split 1 and 4, and
+through the dense swap_x tile's product (`swap`); prefill blocks of 64 rows with K tiles of 64 and 128,
+dequantized in the kernel); W4A16 as a GEMV row per slot (decode only); W4A16 dequantized once in chunks
+then the bf16 blocks (the default at prefill; also at decode token counts, to measure where the threshold
+of 64 slots per expert should be); and the time to dequantize every expert to bf16 alone (the Triton
+dequantize kernel). Every W4A16 variant is checked
 against the decode blocks (or the prefill blocks) on the same routing before it is timed.
 """
 
@@ -29,7 +31,7 @@ SHAPES = {  # experts, top-k, hidden, moe_intermediate
     "v2-lite": (64, 6, 2048, 1408),
     "v3": (256, 8, 7168, 2048),
 }
-DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)  # 128 and 512: short prompts (V2-Lite 12, 48 slots per expert)
 PREFILL_TOKENS = (2048,)
 ROUTINGS = 8
 GROUP = 128
@@ -78,9 +80,11 @@ def time_shape(shape: str) -> list[dict]:
         decode = fused_moe.block_m_for(n * top_k, num) <= 16
         variants = {"bf16 blocks": (dense, {})}
         if decode:
-            variants |= {"W4A16 blocks": (packed, {"split_k": 1, "slot_gemv": False}),
-                         "W4A16 blocks, K split 4": (packed, {"split_k": 4, "slot_gemv": False}),
-                         "W4A16 GEMV per slot": (packed, {"slot_gemv": True})}
+            variants |= {"W4A16 blocks": (packed, {"split_k": 1, "slot_gemv": False, "swap": False}),
+                         "W4A16 blocks, K split 4": (packed, {"split_k": 4, "slot_gemv": False, "swap": False}),
+                         "W4A16 swapped blocks": (packed, {"split_k": 1, "slot_gemv": False, "swap": True}),
+                         "W4A16 GEMV per slot": (packed, {"slot_gemv": True}),
+                         "W4A16 dequantized once, bf16 blocks": (packed, {"slot_gemv": False, "dequantize": True})}
         else:
             variants |= {"W4A16 blocks, K tile 64": (packed, {"block_k": 64, "dequantize": False}),
                          "W4A16 blocks, K tile 128": (packed, {"block_k": 128, "dequantize": False}),

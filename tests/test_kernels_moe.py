@@ -101,11 +101,14 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
                 for w in (gate, up, down)]
         # prefill-sized steps of packed experts: dequantized once (the default) and in-kernel (64-row blocks)
         prefill = gate.bits and fused_moe.dequantizes_experts(n * top_k, experts, gate.bits)
-        for dequantize in (None, False) if prefill else (None,):
-            out = fused_moe.fused_moe(x.to(dtype), *cast, weights, indices, dequantize=dequantize)
+        variants = [{"dequantize": dequantize} for dequantize in ((None, False) if prefill else (None,))]
+        if gate.bits and not prefill:  # decode blocks through swap_x's product (SWAP_BLOCKS), not the slot GEMV
+            variants.append({"slot_gemv": False, "swap": True})
+        for options in variants:
+            out = fused_moe.fused_moe(x.to(dtype), *cast, weights, indices, **options)
             assert out.dtype == dtype and out.shape == x.shape
             error = (out.float() - expected).norm() / expected.norm()
-            assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, dequantize, error.item())
+            assert error < (1e-5 if DEVICE == "cpu" else 2e-2), (dtype, options, error.item())
 
 
 @pytest.mark.parametrize("quant", [(4, 32, False), (4, 128, True), (8, 64, False)])
@@ -137,7 +140,8 @@ def test_packed_experts_dequantized_in_chunks_equal_the_loop(monkeypatch, quant)
 def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hidden, inter, quant, split):
     """Decode blocks with K split over programs (gate/up's SiLU product and down's sums finished by the last
     split of each tile through the float32 workspace) equal the loop and the unsplit kernels, twice in a
-    row, and leave the workspace clear; every expert of a batch picking the same ones included."""
+    row (packed experts: the second time through swap_x's product), and leave the workspace clear; every
+    expert of a batch picking the same ones included."""
     g = torch.Generator().manual_seed(hidden + n + split)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
     gate, up, down = layer_experts(experts, hidden, inter, quant, g)
@@ -145,8 +149,8 @@ def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hid
     for chosen in (indices, indices[:1].expand(n, top_k).contiguous()):
         expected = fused_moe.reference(x, gate, up, down, weights, chosen)
         whole = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=1)
-        for _ in range(2):
-            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split)
+        for swap in (False, True) if quant else (False, False):  # twice in a row either way
+            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split, swap=swap)
             # Triton's float32 dot runs in TF32 on the GPU; a split changes only the order of the sums.
             assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
             torch.testing.assert_close(out, whole, rtol=1e-5 if DEVICE == "cpu" else 1e-4, atol=1e-5)

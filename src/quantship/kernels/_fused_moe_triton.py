@@ -11,6 +11,7 @@ from quantship.kernels._wna16_triton import (
     gemv_tile,
     gemv_tile_bf16x2,
     packed_tile_dot,
+    swap_tile_dot,
 )
 
 
@@ -47,32 +48,57 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
 
 
 @triton.jit
+def _swapped_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, offs_n, K, N, group_size, k_begin, k_end,
+                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_expert_product of a packed expert (w_ptr, s_ptr, z_ptr at its stack entry) as the dense swap_x
+    tile computes it: y^T = W x^T with the weight's values the left operand, x's K tile one load of the
+    block's gathered rows [R, BM, P] (wna16 swap_tile_dot), transposed once at the end."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    r = tl.arange(0, BLOCK_K // PER_WORD)
+    inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + inputs
+        xs = tl.load(a_rows[None, :, None] + k, mask=a_ok[None, :, None] & (k < K), other=0.0)
+        acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
+                             group_size, BITS, HAS_ZERO, SPANS, False)
+    return tl.trans(acc)
+
+
+@triton.jit
 def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size, k_begin, k_end,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr, SWAP: tl.constexpr):
     """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end.
 
     BITS 0: dense [E, N, K] (KN: [E, K, N]). BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8
-    zero points), through the packed tile product of the plain W4A16/W8A16 kernels."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    zero points), through the packed tile product of the plain W4A16/W8A16 kernels; SWAP (packed, decode
+    blocks): through the swap_x tile's product instead (_swapped_product)."""
     PER_WORD: tl.constexpr = 32 // BITS if BITS else 1
     words = tl.cdiv(K, PER_WORD) * N
     metas = tl.cdiv(K, group_size) * N
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if BITS == 0:  # static branches: the packed arithmetic is not even compiled for dense experts
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-            acc += tl.dot(a, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN).to(a.dtype), out_dtype=tl.float32)
-        elif BLOCK_M <= 16:  # decode: each word loaded once, one small product per value position
-            acc += packed_tile_dot(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas,
-                                   z_ptr + expert * metas, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
-                                   BLOCK_M, BLOCK_N, BLOCK_K)
-        else:  # prefill: the tile dequantized whole, one deep product (measured faster for 64 rows)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-            tile = _packed_tile(w_ptr + expert * words, s_ptr + expert * metas, z_ptr + expert * metas, k0, offs_k,
-                                offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
-            acc += tl.dot(a, tile.to(a.dtype), out_dtype=tl.float32)
+    if SWAP and BITS != 0 and BLOCK_M <= 16:
+        acc = _swapped_product(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas, z_ptr + expert * metas,
+                               offs_n, K, N, group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            if BITS == 0:  # static branches: the packed arithmetic is not even compiled for dense experts
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+                acc += tl.dot(a, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN).to(a.dtype), out_dtype=tl.float32)
+            elif BLOCK_M <= 16:  # decode: each word loaded once, one small product per value position
+                acc += packed_tile_dot(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas,
+                                       z_ptr + expert * metas, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
+                                       BLOCK_M, BLOCK_N, BLOCK_K)
+            else:  # prefill: the tile dequantized whole, one deep product (measured faster for 64 rows)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+                tile = _packed_tile(w_ptr + expert * words, s_ptr + expert * metas, z_ptr + expert * metas, k0, offs_k,
+                                    offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
+                acc += tl.dot(a, tile.to(a.dtype), out_dtype=tl.float32)
     return acc
 
 
@@ -88,7 +114,7 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
                        sorted_ids_ptr, block_expert_ptr, ws_ptr, counter_ptr, num_slots, expert_begin, num_experts, H,
                        I, TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                        SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, KN: tl.constexpr):
+                       BLOCK_K: tl.constexpr, KN: tl.constexpr, SWAP: tl.constexpr):
     """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots. SPLIT: K
     is split over program_id(2); gate and up sums meet in the float32 workspace [2, slots, I] and the
     program adding a tile's last split applies SiLU and the product (wna16's in-kernel finish)."""
@@ -105,9 +131,9 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
         a_rows = x_ptr + token * H
         k_begin, k_end = _k_range(H, k_per_split)
         gate = _expert_product(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size,
-                               k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
+                               k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN, SWAP)
         up = _expert_product(a_rows, valid, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end,
-                             BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
+                             BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN, SWAP)
         mask = valid[:, None] & (offs_n[None, :] < I)
         offsets = slot[:, None] * I + offs_n[None, :]
         if SPLIT:
@@ -127,7 +153,8 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
 def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, ws_ptr,
                     counter_ptr, num_slots, expert_begin, num_experts, H, I, group_size, k_per_split,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr,
+                    SWAP: tl.constexpr):
     """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots (SPLIT: as gate/up,
     through the workspace [slots, H])."""
     pid_m = tl.program_id(0)
@@ -140,7 +167,7 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_begin, k_end = _k_range(I, k_per_split)
         acc = _expert_product(act_ptr + row * I, valid, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, k_begin,
-                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
+                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN, SWAP)
         acc *= tl.load(routing_ptr + row, mask=valid, other=0.0)[:, None]
         mask = valid[:, None] & (offs_n[None, :] < H)
         offsets = slot[:, None] * H + offs_n[None, :]

@@ -499,6 +499,28 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
 
 
 @triton.jit
+def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BN, BM] float32: outputs offs_n of one K tile (word rows `rows`) of y^T = W x^T, x's inputs of the
+    tile given as they are ([R, BM, P], _value_slices), on tensor cores: one product per value position,
+    the weight's values the left operand (_exact_values), scaled per word row (SPANS) or per output.
+    Shared by swap_x and the fused MoE's swapped blocks (there x's rows are the block's gathered slots)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO,
+                                    SPANS, EVEN_K)
+    slices = _value_slices(xs, PER_WORD)
+    part = tl.zeros((offs_n.shape[0], xs.shape[1]), dtype=tl.float32)
+    for i in tl.static_range(PER_WORD):
+        v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
+        if SPANS:
+            v = v * scale
+        part = tl.dot(v.to(xs.dtype), slices[i], part, out_dtype=tl.float32)
+    if not SPANS:
+        part = part * scale
+    return part
+
+
+@triton.jit
 def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                         k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                         FINISH: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -518,19 +540,8 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = k0 + BLOCK_K + inputs
         xs_next = tl.load(x_rows + k_next, mask=m_ok[None, :, None] & (k_next < k_end), other=0.0)
-        w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
-                                        group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
-        slices = _value_slices(xs, PER_WORD)
-        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for i in tl.static_range(PER_WORD):
-            v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
-            if SPANS:
-                v = v * scale
-            part = tl.dot(v.to(x_ptr.dtype.element_ty), slices[i], part, out_dtype=tl.float32)
-        if SPANS:
-            acc += part
-        else:
-            acc += part * scale
+        acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size, BITS,
+                             HAS_ZERO, SPANS, EVEN_K)
         xs = xs_next
     _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
