@@ -337,3 +337,25 @@ def test_a_signal_that_native_code_turns_into_its_own_error_is_still_a_stop(sig,
     monkeypatch.setattr(Checkpoint, "read", real_read)
     assert main(["quantize", "tiny", "-o", str(out), "--quiet", "--resume"]) == 0
     assert (out / "config.json").is_file()
+
+
+def test_a_signal_whose_exception_native_code_swallowed_stops_quantize_at_the_next_layer(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Native code may also drop the handler's exception and carry on: the recorded signal stops the run at
+    the next layer, with the finished layers kept for --resume."""
+    real_read = Checkpoint.read
+
+    def read(self, names):
+        if any(".layers.1." in name for name in names):
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except KeyboardInterrupt:
+                pass  # swallowed
+        return real_read(self, names)
+
+    monkeypatch.setattr(Checkpoint, "read", read)
+    out = tmp_path / "q"
+    assert main(["quantize", "tiny", "-o", str(out), "--quiet"]) == 143
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "terminated" and "2 of" in err and "--resume" in err, err
+    assert not out.exists() and (tmp_path / ".q.partial").is_dir()

@@ -953,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        clear_stop()  # library calls made later in this process (tests, notebooks) start unstopped
 
 
 if __name__ == "__main__":

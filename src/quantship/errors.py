@@ -22,24 +22,28 @@ class Terminated(KeyboardInterrupt):
 # The signal that asked this process to stop, set by the CLI's handlers. A handler's exception raised while
 # native code runs (torch building a tensor for safetensors, say) can come out as that code's own error
 # instead, which would then pass for bad input: this record says what really happened.
-_stop = {"signal": None}
+_received = {"signal": None}
 
 
 def stop_signal() -> int | None:
     """The signal (SIGINT or SIGTERM) that asked this process to stop, or None."""
-    return _stop["signal"]
+    return _received["signal"]
 
 
 def clear_stop() -> None:
-    _stop["signal"] = None
+    _received["signal"] = None
 
 
 def stop_on_signal(signum, frame):
     """Signal handler for SIGINT and SIGTERM: records the stop, then unwinds like Ctrl-C."""
     if signum == signal.SIGTERM:  # a second SIGTERM must not cut the cleanup short (a second Ctrl-C may)
         signal.signal(signum, signal.SIG_IGN)
-    _stop["signal"] = signum
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    _received["signal"] = signum
+    raise _stop_exception(signum)
+
+
+def _stop_exception(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def as_stop(exc: BaseException) -> BaseException:
@@ -47,4 +51,11 @@ def as_stop(exc: BaseException) -> BaseException:
     signum = stop_signal()
     if signum is None or isinstance(exc, KeyboardInterrupt):
         return exc
-    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    return _stop_exception(signum)
+
+
+def raise_if_stopped() -> None:
+    """A safe point of long work: stops it if a signal arrived whose exception native code swallowed."""
+    signum = stop_signal()
+    if signum is not None:
+        raise _stop_exception(signum)

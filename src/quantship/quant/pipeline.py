@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantship import __version__
-from quantship.errors import QuantshipError, as_stop
+from quantship.errors import QuantshipError, as_stop, raise_if_stopped
 from quantship.files import check_output_location, publish_directory, sha256_file
 from quantship.formats.compressed_tensors import ShardWriter, pack_tensors, quantization_config
 from quantship.models.bundled import TINY_DIR, resolve_model
@@ -533,6 +533,7 @@ def _write_layers(ck: Checkpoint, run: ResumableRun, writer: ShardWriter, tokens
         tallies = {"expert_tokens": {}, "fallbacks": [], "awq": {}, "seconds": 0.0}
     progress("quantize", ck.config.num_hidden_layers, run.next_layer)
     for index in range(run.next_layer, ck.config.num_hidden_layers):
+        raise_if_stopped()  # a signal whose exception native code swallowed stops the run here
         layer = ck.layer(index, compute_dtype, device, _held_experts(f"model.layers.{index}.", chosen))
         _count_held(layer, tallies)
         done = _quantize_layer(layer, f"model.layers.{index}.", hidden, positions, chosen, opts, writer, out_dtype,
