@@ -34,10 +34,12 @@ for bits in (4, 8):
         # K split finished in the kernel with zero points, added into a float32 y without (both paths compile)
         tiles = {"BITS": bits, "HAS_ZERO": zero, "ATOMIC": True, "FINISH": zero, "BLOCK_N": 128, "BLOCK_K": 128}
         for spans in (False, True):
-            compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans))
+            # the GEMVs also compile taking SwiGLU's product of gate and up as their x (GATED)
+            compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans, GATED=spans))
             if bits == 4:  # its bf16x2 PTX goes through ptxas here: the interpreter cannot run it
-                compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
-                        {k: v for k, v in dict(tiles, SPANS=spans).items() if k != "BITS"})
+                for gated in (False, True):
+                    compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
+                            {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated).items() if k != "BITS"})
             for block_m, block_n in ((16, 128), (64, 64)):  # the table's two swap tiles
                 compile(wna16.wna16_swap_dot_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
@@ -143,4 +145,4 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 148
+    assert done.stdout.count(" ok") == 152

@@ -328,15 +328,19 @@ def test_permuted_x_puts_each_value_positions_inputs_side_by_side(bits, k):
         assert torch.equal(out[:, column], expected), column
 
 
-@pytest.mark.parametrize("k,k0", [(1024, 128), (200, 128), (131, 64)])
-def test_bf16x2_gemv_pairs_inputs_i_and_i_plus_4_of_each_word_row(k, k0):
+@pytest.mark.parametrize("k,k0,gated", [(1024, 128, False), (200, 128, False), (131, 64, False), (200, 128, True)])
+def test_bf16x2_gemv_pairs_inputs_i_and_i_plus_4_of_each_word_row(k, k0, gated):
     """The bf16x2 GEMV's x operands, built from one load of the tile (the PTX that takes them runs only on a
     GPU, the pairing runs here): pair i of word row r holds input k0 + 8r + i in its low half and k0 + 8r
-    + i + 4 in its high half, as bf16 bits, 0 past K."""
+    + i + 4 in its high half, as bf16 bits, 0 past K; gated, the inputs are SiLU(gate) * up of a row that
+    holds gate and up side by side, rounded as elementwise.silu_mul rounds."""
+    from quantship.kernels import elementwise
+
     rows = 16
-    x = torch.randn(k, generator=torch.Generator().manual_seed(k)).to(DEVICE, torch.bfloat16)
+    row = torch.randn(2 * k if gated else k, generator=torch.Generator().manual_seed(k)).to(DEVICE, torch.bfloat16)
     out = torch.zeros(rows, 4, dtype=torch.int32, device=DEVICE)
-    pairs_kernel[(1,)](x, out, k, k0, ROWS=rows)
+    pairs_kernel[(1,)](row, out, k, k0, ROWS=rows, GATED=gated)
+    x = elementwise.silu_mul(row[:k], row[k:]) if gated else row
     bits = (x.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
     for r in range(rows):
         for i in range(4):
@@ -345,11 +349,72 @@ def test_bf16x2_gemv_pairs_inputs_i_and_i_plus_4_of_each_word_row(k, k0):
             assert out[r, i].item() == (word - (1 << 32) if word >= 1 << 31 else word), (r, i)
 
 
+@pytest.mark.parametrize("bits,group,symmetric,k", [(4, 32, False, 200), (4, 128, True, 512), (8, 64, True, 96)])
+def test_a_gated_gemv_multiplies_swiglus_product_made_in_its_loads(bits, group, symmetric, k):
+    """matmul(gated=True) takes an MLP's gate and up side by side [M, 2K] and equals the down projection
+    of elementwise.silu_mul(gate, up): for one row (the table's GEMV) and for a few rows run as GEMV rows;
+    the tensor-core tiles refuse it (takes_gated says which take it)."""
+    from quantship.kernels import elementwise
+
+    n = 40
+    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=k + bits)
+    packed = wna16.pack(values, bits).to(DEVICE)
+    scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    both = torch.randn(3, 2 * k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
+    for rows, blocks in ((1, None), (3, wna16.Blocks("gemv", 1, 32, 64, -1, 2, 1))):
+        x = both[:rows]
+        expected = wna16.reference_matmul(elementwise.silu_mul(x[:, :k], x[:, k:]), packed, scale, zero, bits, k,
+                                          group)
+        out = wna16.matmul(x, packed, scale.to(dtype), zero, bits, k, group, blocks=blocks, gated=True)
+        assert out.shape == (rows, n)
+        error = (out.float() - expected).norm() / expected.norm()
+        assert error < (1e-5 if DEVICE == "cpu" else 1e-2), (rows, error.item())
+    assert wna16.takes_gated(1, both, bits) and not wna16.takes_gated(2, both, bits)
+    with pytest.raises(ValueError, match="GEMV only"):
+        wna16.matmul(both, packed, scale.to(dtype), zero, bits, k, group, gated=True)
+
+
+def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(monkeypatch):
+    """On the fused-ops path (the GPU's, here under the interpreter) an MLP with merged packed gate/up and a
+    packed down runs one row as two GEMVs, no SwiGLU kernel between them, with the output of the separate
+    product; a batch of rows (tensor-core tiles on a GPU, which do not take the gated input) keeps it."""
+    from quantship.kernels import elementwise
+    from quantship.models import layers, quantized
+    from quantship.models.merged import merge_projections
+
+    hidden, inter, group = 64, 96, 32
+
+    def packed(out, inp, seed):
+        values, scale, zero = random_quantized(out, inp, 4, group, False, seed)
+        return quant_linear(values, scale.t(), zero.t(), bits=4)
+
+    mlp = layers.MLP(hidden, inter)
+    mlp.gate_proj, mlp.up_proj = packed(inter, hidden, 1), packed(inter, hidden, 2)
+    mlp.down_proj = packed(hidden, inter, 3)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)) * 20
+    with torch.no_grad():
+        separate = mlp(x)  # the plain path: dequantize + F.linear, torch's SiLU
+        assert merge_projections(mlp) == 1
+        products = []
+        real = elementwise.silu_mul
+        monkeypatch.setattr(elementwise, "silu_mul", lambda g, u: products.append(g.shape) or real(g, u))
+        monkeypatch.setattr(layers, "use_fused_ops", lambda t: True)
+        monkeypatch.setattr(quantized, "on_gpu_kernel", lambda t: True)
+        one = mlp(x[:1])
+        assert products == []  # made inside the down projection's GEMV
+        torch.testing.assert_close(one, separate[:1], rtol=1e-4, atol=1e-5)
+        assert wna16.takes_gated(1, x, 4) and not wna16.takes_gated(3, x, 4)
+        monkeypatch.setattr(wna16, "takes_gated", lambda rows, t, bits: rows == 1)  # as the GPU's table: 3 rows
+        torch.testing.assert_close(mlp(x), separate, rtol=1e-4, atol=1e-5)  # take tiles there
+        assert products == [(3, inter)]
+
+
 @triton.jit
-def pairs_kernel(x_ptr, out_ptr, K, k0, ROWS: tl.constexpr):
+def pairs_kernel(x_ptr, out_ptr, K, k0, ROWS: tl.constexpr, GATED: tl.constexpr):
     """Writes the bf16x2 GEMV's x pairs of one K tile ([R, 4] int32)."""
     r = tl.arange(0, ROWS)
-    p0, p1, p2, p3 = _x_pairs(x_ptr, k0, r, K)
+    p0, p1, p2, p3 = _x_pairs(x_ptr, k0, r, K, GATED)
     rows = out_ptr + r[:, None] * 4
     tl.store(rows, p0)
     tl.store(rows + 1, p1)

@@ -48,6 +48,15 @@ def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_
 
 
 @triton.jit
+def silu_mul_values(g, u):
+    """round(round(silu(g)) * u) in g's dtype, rounded as the plain ops round; shared with the int4 GEMV
+    that makes its x this way (wna16's gated x tile), so the fused and the separate product agree."""
+    gf = g.to(tl.float32)
+    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
     """out = round(silu(g)) * u over one row and one block of columns per program."""
     row = tl.program_id(0)
@@ -55,10 +64,7 @@ def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.cons
     mask = offs < n
     g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
     u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    y = silu.to(tl.float32) * u.to(tl.float32)
-    tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n + offs, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

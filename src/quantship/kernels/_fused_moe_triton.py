@@ -200,10 +200,10 @@ def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin,
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BF16X2:
             acc = gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size,
-                                   HAS_ZERO, SPANS)
+                                   HAS_ZERO, SPANS, False)
         else:
             acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS,
-                            HAS_ZERO, SPANS)
+                            HAS_ZERO, SPANS, False)
     if SPANS:
         out = tl.sum(acc, axis=0)
     else:

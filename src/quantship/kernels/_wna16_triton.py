@@ -19,6 +19,8 @@ packed_tile_dot is the fused MoE's tile (x rows gathered per expert, x's columns
 import triton
 import triton.language as tl
 
+from quantship.kernels._elementwise_triton import silu_mul_values
+
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
 MAGIC_VALUE = tl.constexpr(8388608.0)
 
@@ -193,14 +195,17 @@ def _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, splits,
 
 
 @triton.jit
-def _x_tile(x_row, k0, r, K, PER_WORD: tl.constexpr):
+def _x_tile(x_row, k0, r, K, PER_WORD: tl.constexpr, GATED: tl.constexpr):
     """The inputs k0 + r*P + i of one row of x as a tile [R, 1, P] (0 past K), for _value_slices. One load:
     as compiled, the tile is spread over the threads and broadcast through shared memory. A load per value
     position and word row gave every thread 8 times as many load instructions as weight loads (PTX for
     sm_90, int4, one K tile: 646 instructions in the bf16x2 GEMV against 453 now, 1,681 against 1,337 in
     the float32 one)."""
     k = k0 + r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]
-    return tl.load(x_row + k, mask=k < K, other=0.0)
+    x = tl.load(x_row + k, mask=k < K, other=0.0)
+    if GATED:  # the row holds an MLP's gate and up side by side (K each): x is SwiGLU's product, made here
+        x = silu_mul_values(x, tl.load(x_row + K + k, mask=k < K, other=0.0))
+    return x
 
 
 @triton.jit
@@ -233,14 +238,14 @@ def _value_slices(xs, PER_WORD: tl.constexpr):
 
 @triton.jit
 def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS: tl.constexpr,
-              HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+              HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr):
     """acc plus one K tile of the GEMV: inputs k0 .. k0 + R*P of the row `x_row` points at, times the word
     rows k0 / P + r of the packed weight at w_ptr (outputs offs_n), on CUDA cores in float32. Shared by
     the dense GEMV and the fused MoE's per-slot GEMV (there w_ptr is one expert's weight)."""
     PER_WORD: tl.constexpr = 32 // BITS
     w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size,
                                      BITS, HAS_ZERO, SPANS)
-    xs = _value_slices(_x_tile(x_row, k0, r, K, PER_WORD).to(tl.float32), PER_WORD)
+    xs = _value_slices(_x_tile(x_row, k0, r, K, PER_WORD, GATED).to(tl.float32), PER_WORD)
     part = tl.zeros((r.shape[0], offs_n.shape[0]), dtype=tl.float32)
     for i in tl.static_range(PER_WORD):
         x = xs[i] * (1.0 / (1 << (BITS * (i % (PER_WORD // 2)))))
@@ -251,10 +256,11 @@ def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, g
 @triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                       k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                      FINISH: tl.constexpr, SPANS: tl.constexpr,
+                      FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
-    sums; else one group's scale row is loaded per tile and multiplies the tile's column sums."""
+    sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
+    each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     pid_n = tl.program_id(0)
@@ -271,7 +277,7 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M,
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K,
-                        group_size, BITS, HAS_ZERO, SPANS)
+                        group_size, BITS, HAS_ZERO, SPANS, GATED)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 
@@ -283,10 +289,10 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _x_pairs(x_row, k0, r, K):
+def _x_pairs(x_row, k0, r, K, GATED: tl.constexpr):
     """x's inputs k0 + 8r + i (low half) and + i + 4 (high half) as bf16x2 words [R, 1], i = 0..3: the
     tile in one load, sliced in registers (_value_slices)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _value_slices(_x_tile(x_row, k0, r, K, 8), 8)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _value_slices(_x_tile(x_row, k0, r, K, 8, GATED), 8)
     return (_bf16_bits(x0) | (_bf16_bits(x4) << 16), _bf16_bits(x1) | (_bf16_bits(x5) << 16),
             _bf16_bits(x2) | (_bf16_bits(x6) << 16), _bf16_bits(x3) | (_bf16_bits(x7) << 16))
 
@@ -327,7 +333,7 @@ add.f32 $0, lo, hi;
 
 @triton.jit
 def gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size,
-                     HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+                     HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr):
     """gemv_tile for int4 weights and bf16 x, two values per instruction (_DOT8_BF16X2): inputs k0 ..
     k0 + 8R. Shared by the dense bf16x2 GEMV and the fused MoE's per-slot GEMV."""
     w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
@@ -337,7 +343,7 @@ def gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, 
     else:
         offset = tl.zeros_like(scale) + 136.0
     neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    p0, p1, p2, p3 = _x_pairs(x_row, k0, r, K)
+    p0, p1, p2, p3 = _x_pairs(x_row, k0, r, K, GATED)
     part = tl.inline_asm_elementwise(_DOT8_BF16X2, "=r,r,r,r,r,r,r", [w, p0, p1, p2, p3, neg | (neg << 16)],
                                      dtype=tl.float32, is_pure=True, pack=1)
     return _add_scaled(acc, part, scale, SPANS)
@@ -346,11 +352,11 @@ def gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, 
 @triton.jit
 def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
                              group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                             FINISH: tl.constexpr, SPANS: tl.constexpr,
+                             FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
-    would; the rest (pair sums, scales, the accumulation over K) is float32."""
+    would; the rest (pair sums, scales, the accumulation over K) is float32. GATED: as the GEMV's."""
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     row_m = tl.program_id(1)
@@ -367,7 +373,7 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         acc = gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, HAS_ZERO,
-                               SPANS)
+                               SPANS, GATED)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 

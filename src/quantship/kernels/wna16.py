@@ -127,6 +127,8 @@ class Blocks:
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
 
 
+GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
+
 # M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` on an
 # H200, summed over the four Linear calls of a 6.7B decoder layer, written here by its `adopt` (BENCHMARKS.md
 # has the run); the 16 and 32 classes from sweeps of swap_x beside that table on an H100 (`--kinds swap_x`:
@@ -168,7 +170,7 @@ def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
     """The tile depth: the configured one, for the kernels that gather scales per word row; for the
     others the largest up to it that stays inside one group."""
     block_k = blocks.block_k
-    if blocks.kind in ("gemv", "gemv_bf16x2"):
+    if blocks.kind in GEMV_KINDS:
         return block_k
     while group_size < k and group_size % block_k:
         block_k //= 2
@@ -300,20 +302,30 @@ def cpu_matmul(x: torch.Tensor, made: tuple[torch.Tensor, torch.Tensor], bits: i
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+def takes_gated(rows: int, x: torch.Tensor, bits: int) -> bool:
+    """Whether matmul(gated=True) takes `rows` rows like x: only the GEMVs make SwiGLU's product in their
+    loads of x (each input is loaded once per program there; a tensor-core tile would remake it per thread)."""
+    return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda).kind in GEMV_KINDS
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
-           in_features: int, group_size: int, blocks: Blocks | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton."""
+           in_features: int, group_size: int, blocks: Blocks | None = None, gated: bool = False) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton.
+    `gated`: x is [..., 2K], an MLP's gate and up side by side, and the input is SiLU(gate) * up, made by
+    the GEMV as it loads x (rounded as elementwise.silu_mul rounds), one launch fewer (takes_gated)."""
     import triton
 
     from quantship.kernels import _wna16_triton as kernels
 
     shape = x.shape
-    x2 = x.reshape(-1, in_features).contiguous()
+    x2 = x.reshape(-1, 2 * in_features if gated else in_features).contiguous()
     m, n, k = x2.shape[0], packed.shape[1], in_features
     bf16x2 = bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda  # what its PTX takes
     blocks = blocks or choose_blocks(m, bf16x2)
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
+    if gated and blocks.kind not in GEMV_KINDS:
+        raise ValueError(f"a gated input takes the GEMV only, not {blocks.kind} (see takes_gated)")
     if blocks.kind == "dequantize":
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
@@ -323,7 +335,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         block_k = max(block, block_k // block * block)
         if blocks.kind == "swap_dot":  # whole permutation blocks of x
             x2 = permute_x(x2, bits, block_k)
-    gemv = blocks.kind in ("gemv", "gemv_bf16x2")
+    gemv = blocks.kind in GEMV_KINDS
     rows = m if gemv else triton.cdiv(m, blocks.block_m)
     grid = (triton.cdiv(n, blocks.block_n), rows)
     per_split, splits = splits_for(blocks, grid[0] * grid[1], k, block_k)
@@ -341,10 +353,10 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
     spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
-        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, **common)
+        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
-        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, **common)
+        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
                                           **common)

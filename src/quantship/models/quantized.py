@@ -178,6 +178,17 @@ class PackedLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
+    def gated(self, both: torch.Tensor) -> torch.Tensor | None:
+        """This layer of SiLU(gate) * up, from an MLP's gate and up side by side in `both` [..., 2 * in]: on
+        the GPU the GEMV makes the product as it loads x (one launch fewer per MLP and decode step).
+        None where the call would not take the GEMV (more rows, the CPU): the caller multiplies first."""
+        rows = both.numel() // (2 * self.in_features)
+        if not (on_gpu_kernel(both) and self.use_kernel and wna16.takes_gated(rows, both, self.bits)):
+            return None
+        y = wna16.matmul(both, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bits,
+                         self.in_features, self.group_size, gated=True)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits} packed, group={self.group_size}"
 
