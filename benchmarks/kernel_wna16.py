@@ -35,6 +35,7 @@ SHAPES = {"q/o_proj 4096x4096": (4096, 4096), "gate/up 11008x4096": (11008, 4096
           "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096),
           "gate+up 22016x4096": (22016, 4096)}  # (out N, in K); the engine merges q/k/v and gate/up
 MS = [1, 4, 8, 16, 32, 64, 256, 2048]
+CHUNK_MBS = (8, 16, 32)  # dense bytes per pass of dequantize + cuBLAS, timed beside the table's whole-weight pass
 # The four calls one 6.7B decoder layer makes in the engine: a candidate's summed time is the layer's
 # Linear time, so the sweep ranks tiles by what a decode step spends, across N from 4096 to 22016 (the
 # split of K that fills the GPU at N = 4096 adds atomics and a float32 output where N alone would).
@@ -189,6 +190,11 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
             t = graph_time(lambda i: wna16.matmul(x, *weights[i], bits, k, GROUP), len(weights))
             row[f"{name}_s"] = t
             row[f"{name}_gbs"] = (nbytes(*weights[0]) + io) / t / 1e9
+        if wna16.choose_blocks(m).kind == "dequantize":  # the same in passes of output columns that fit the L2
+            for mb in CHUNK_MBS:
+                blocks = replace(wna16.choose_blocks(m), chunk_bytes=mb << 20)
+                t = graph_time(lambda i: wna16.matmul(x, *w4[i], 4, k, GROUP, blocks=blocks), len(w4))
+                row[f"w4a16_chunk{mb}mb_s"] = t
         if tiny[0] is not None and m <= 256:
             t = graph_time(lambda i: torch._weight_int4pack_mm(x, tiny[i][0], GROUP, tiny[i][1]), len(tiny))
             row["tinygemm_s"] = t
@@ -375,8 +381,11 @@ def render() -> None:
         tiny_speed = f"{row['bf16_s'] / row['tinygemm_s']:.2f}x" if "tinygemm_s" in row else "-"
         rows.append([row["shape"], row["m"], f"{row['bf16_gbs']:.0f}", f"{row['w4a16_gbs']:.0f}", tiny,
                      f"{row['w8a16_gbs']:.0f}", f"{row['bf16_s'] / row['w4a16_s']:.2f}x", tiny_speed])
-    prefill = [[row["shape"], f"{row['bf16_s'] * 1e6:.0f}", f"{row['w4a16_s'] * 1e6:.0f}",
-                f"{row['bf16_s'] / row['w4a16_s']:.2f}x"] for row in r["rows"] if row["m"] == 2048]
+    chunked = [mb for mb in CHUNK_MBS if any(f"w4a16_chunk{mb}mb_s" in row for row in r["rows"])]
+    prefill = [[row["shape"], row["m"], f"{row['bf16_s'] * 1e6:.0f}", f"{row['w4a16_s'] * 1e6:.0f}",
+                f"{row['bf16_s'] / row['w4a16_s']:.2f}x",
+                *(f"{row[f'w4a16_chunk{mb}mb_s'] * 1e6:.0f}" for mb in chunked)]
+               for row in r["rows"] if row["m"] > 64 and (row["m"] == 2048 or chunked)]
     parts = ["## W4A16 / W8A16 kernel (Triton, dequantize in registers)", "",
              f"**{r['device']}**, group {r['group_size']}, symmetric; GB/s of the bytes each call must read (packed "
              "weight + scales + activations). CUDA-graph replays over weight copies that leave the L2 cold. "
@@ -407,16 +416,20 @@ def render() -> None:
              "the table no longer uses it (TINYGEMM_MAX_M 0). What separates these figures from the bytes is the "
              "dequantization's instructions and latency in Triton's layouts; a Marlin-class kernel (weights "
              "pre-shuffled into the tensor-core fragment order) is the known next step.", "",
-             "Prefill-sized calls (M = 2048), microseconds: W4A16 (dequantize once in Triton, then cuBLAS) "
-             "against bf16 cuBLAS.", "",
-             table(["Linear", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed"], prefill)]
+             "Prefill-sized calls, microseconds: W4A16 (dequantize once in Triton, then cuBLAS) against bf16 "
+             "cuBLAS" + (", and the same in passes of output columns whose dense bytes fit the L2 (one buffer "
+                         "reused, so the dense weight is never written back: `Blocks.chunk_bytes`)" if chunked else "")
+             + ".", "",
+             table(["Linear", "M", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed",
+                    *(f"W4A16 in {mb} MB passes µs" for mb in chunked)], prefill)]
     update_section("kernel_wna16", "\n".join(parts))
 
 
 def _source(b) -> str:
     """A Blocks as kernels/wna16.py writes it."""
     text = f'Blocks("{b.kind}", {b.block_m}, {b.block_n}, {b.block_k}, {b.split_k}, {b.num_warps}, {b.num_stages}'
-    return text + (", finish=False)" if not b.finish else ")")
+    text += ", finish=False" if not b.finish else ""
+    return text + (f", chunk_bytes={b.chunk_bytes}" if b.chunk_bytes else "") + ")"
 
 
 def adopted_table(r: dict):

@@ -410,6 +410,29 @@ def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(m
         assert products == [(3, inter)]
 
 
+@pytest.mark.parametrize("bits,group,symmetric,n,k", [(4, 32, False, 200, 96), (4, 128, True, 136, 256),
+                                                      (8, 64, False, 72, 128)])
+def test_dequantize_then_matmul_in_column_passes_equals_the_reference(bits, group, symmetric, n, k):
+    """Past the tiles' rows, dequantize + cuBLAS; with chunk_bytes, a pass over some output columns at a time
+    through one reused buffer (the last pass narrower), each pass's dequantized columns those of the whole
+    weight, and the product the reference's."""
+    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n + k)
+    packed = wna16.pack(values, bits).to(DEVICE)
+    scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    whole = wna16.dequantize_transposed(packed, scale, zero, bits, k, group, torch.float32)
+    torch.testing.assert_close(whole, wna16.dequantize(packed, scale, zero, bits, k, group).t().contiguous())
+    torch.testing.assert_close(wna16.dequantize_transposed(packed, scale, zero, bits, k, group, torch.float32,
+                                                           columns=(24, n - 5)), whole[:, 24:n - 5])
+    expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
+    table = wna16.choose_blocks(x.shape[0])
+    assert table.kind == "dequantize"
+    for chunk in (0, 64 * k * 4, 100 * k * 4):  # whole; 64-column passes; 64 (a whole number of block_n)
+        blocks = replace(table, chunk_bytes=chunk)
+        out = wna16.matmul(x, packed, scale, zero, bits, k, group, blocks=blocks)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 @triton.jit
 def pairs_kernel(x_ptr, out_ptr, K, k0, ROWS: tl.constexpr, GATED: tl.constexpr):
     """Writes the bf16x2 GEMV's x pairs of one K tile ([R, 4] int32)."""

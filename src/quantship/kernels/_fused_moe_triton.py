@@ -41,7 +41,7 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
             offset += tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32)
         tile = (q - offset) * tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
     else:
-        offset = _tile_offset(z_ptr, k0 // group_size, offs_n, N, HAS_ZERO, BITS)
+        offset = _tile_offset(z_ptr, k0 // group_size, offs_n, N, N, HAS_ZERO, BITS)
         scale = tl.load(s_ptr + (k0 // group_size) * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         tile = (q - offset[None, :]) * scale[None, :]
     return tile
