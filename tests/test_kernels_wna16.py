@@ -433,6 +433,18 @@ def test_dequantize_then_matmul_in_column_passes_equals_the_reference(bits, grou
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_the_planner_reserves_one_pass_of_dense_columns_where_the_table_dequantizes_in_passes(monkeypatch):
+    """What a dequantize + cuBLAS call holds at once: the whole dense weight, or with chunk_bytes one pass's
+    columns (a whole number of block_n), never more than the weight."""
+    whole = 22016 * 4096 * 2
+    assert wna16.dequantized_bytes(22016, 4096, 2) == whole
+    limit, last = wna16.BLOCKS_BY_M[-1]
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [*wna16.BLOCKS_BY_M[:-1], (limit, replace(last, chunk_bytes=16 << 20))])
+    width = (16 << 20) // (4096 * 2) // last.block_n * last.block_n
+    assert wna16.dequantized_bytes(22016, 4096, 2) == width * 4096 * 2 <= 16 << 20
+    assert wna16.dequantized_bytes(64, 4096, 2) == 64 * 4096 * 2  # a narrow weight: itself
+
+
 @triton.jit
 def pairs_kernel(x_ptr, out_ptr, K, k0, ROWS: tl.constexpr, GATED: tl.constexpr):
     """Writes the bf16x2 GEMV's x pairs of one K tile ([R, 4] int32)."""

@@ -239,6 +239,19 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
     return out
 
 
+def _pass_width(blocks: Blocks, n: int, k: int, itemsize: int) -> int:
+    """Output columns per pass of dequantized_matmul: all n, or a whole number of block_n within chunk_bytes."""
+    if not blocks.chunk_bytes:
+        return n
+    return min(n, max(blocks.block_n, blocks.chunk_bytes // (k * itemsize) // blocks.block_n * blocks.block_n))
+
+
+def dequantized_bytes(out_features: int, in_features: int, itemsize: int) -> int:
+    """Dense bytes a packed Linear's dequantize + cuBLAS call holds at once (the table's last entry): the
+    whole weight, or one pass's columns (what the capacity planner reserves)."""
+    return _pass_width(BLOCKS_BY_M[-1][1], out_features, in_features, itemsize) * in_features * itemsize
+
+
 def dequantized_matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                        bits: int, in_features: int, group_size: int, blocks: Blocks) -> torch.Tensor:
     """x2 [M, K] times the weight through dequantize + cuBLAS. With blocks.chunk_bytes, a pass over that
@@ -246,8 +259,7 @@ def dequantized_matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     in the L2 cache, it is overwritten there before it is ever written back, so the dense weight costs no
     memory traffic (whole, it is written out and read back: 4 bytes per weight against int4's half)."""
     n, k = packed.shape[1], in_features
-    width = n if not blocks.chunk_bytes else max(blocks.block_n, blocks.chunk_bytes // (k * x2.element_size())
-                                                 // blocks.block_n * blocks.block_n)
+    width = _pass_width(blocks, n, k, x2.element_size())
     if width >= n:
         return torch.mm(x2, dequantize_transposed(packed, scale, zero, bits, k, group_size, x2.dtype, blocks))
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
