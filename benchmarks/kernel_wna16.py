@@ -40,7 +40,7 @@ CHUNK_MBS = (8, 16, 32)  # dense bytes per pass of dequantize + cuBLAS, timed be
 # Linear time, so the sweep ranks tiles by what a decode step spends, across N from 4096 to 22016 (the
 # split of K that fills the GPU at N = 4096 adds atomics and a float32 output where N alone would).
 SWEEP_SHAPES = ("fused qkv 12288x4096", "q/o_proj 4096x4096", "gate+up 22016x4096", "down 4096x11008")
-SWEEP_MS = (1, 4, 8, 16, 32, 64, 256)
+SWEEP_MS = (1, 4, 8, 16, 32, 64, 128, 256, 2048)  # 128 only when asked (--ms): a short prompt's dense calls
 GROUP = 128
 
 
@@ -136,8 +136,12 @@ def candidates(m: int):
                       for split in (0, 8)] + [Blocks("swap_x", 16, bn, 128, split, 4, 3) for bn in (64, 128)
                                               for split in (0, 8)]
     if m > 64:
-        return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
-            Blocks("swap_dot", 64, bn, bk, 1, 4, 4) for bn in (64, 128) for bk in (128, 256)]
+        # dequantize + cuBLAS whole or in passes of output columns that stay in the L2 (chunk_bytes), and the
+        # 64-row tensor-core tiles over several row blocks (a 128-token prompt's dense calls)
+        return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1, chunk_bytes=mb << 20)
+                      for bn, bk in ((64, 64), (128, 128), (256, 64)) for mb in (0, *CHUNK_MBS)] + [
+            Blocks(kind, 64, bn, bk, 1, 4, 4 if kind == "swap_dot" else 3) for kind in ("swap_dot", "swap_x")
+            for bn in (64, 128) for bk in (128, 256)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)

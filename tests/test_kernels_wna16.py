@@ -435,7 +435,8 @@ def test_dequantize_then_matmul_in_column_passes_equals_the_reference(bits, grou
 
 def test_the_planner_reserves_one_pass_of_dense_columns_where_the_table_dequantizes_in_passes(monkeypatch):
     """What a dequantize + cuBLAS call holds at once: the whole dense weight, or with chunk_bytes one pass's
-    columns (a whole number of block_n), never more than the weight."""
+    columns (a whole number of block_n), never more than the weight; the most over the table's dequantize
+    classes, the first of which is where dequantizing starts."""
     whole = 22016 * 4096 * 2
     assert wna16.dequantized_bytes(22016, 4096, 2) == whole
     limit, last = wna16.BLOCKS_BY_M[-1]
@@ -443,6 +444,9 @@ def test_the_planner_reserves_one_pass_of_dense_columns_where_the_table_dequanti
     width = (16 << 20) // (4096 * 2) // last.block_n * last.block_n
     assert wna16.dequantized_bytes(22016, 4096, 2) == width * 4096 * 2 <= 16 << 20
     assert wna16.dequantized_bytes(64, 4096, 2) == 64 * 4096 * 2  # a narrow weight: itself
+    # a sweep that gives 65-256 rows dequantize tiles of their own, whole: that class counts for both
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [*wna16.BLOCKS_BY_M[:-1], (256, last), wna16.BLOCKS_BY_M[-1]])
+    assert wna16.dequantizes_from() == 65 and wna16.dequantized_bytes(22016, 4096, 2) == whole
 
 
 @triton.jit

@@ -148,8 +148,14 @@ BLOCKS_BY_M = [
 
 def dequantizes_from() -> int:
     """The fewest rows of x the table sends to dequantize + cuBLAS, which writes the weight out dense
-    for the call (the capacity planner reserves that copy)."""
-    return max(limit for limit, _ in BLOCKS_BY_M if limit is not None) + 1
+    for the call (the capacity planner reserves that copy). A sweep may give dequantize classes of their own
+    (tiles or passes differing by M): the first one counts."""
+    below = 0
+    for limit, blocks in BLOCKS_BY_M:
+        if blocks.kind == "dequantize":
+            return below + 1
+        below = limit
+    raise AssertionError("the table ends with dequantize + cuBLAS")
 
 
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
@@ -247,9 +253,10 @@ def _pass_width(blocks: Blocks, n: int, k: int, itemsize: int) -> int:
 
 
 def dequantized_bytes(out_features: int, in_features: int, itemsize: int) -> int:
-    """Dense bytes a packed Linear's dequantize + cuBLAS call holds at once (the table's last entry): the
-    whole weight, or one pass's columns (what the capacity planner reserves)."""
-    return _pass_width(BLOCKS_BY_M[-1][1], out_features, in_features, itemsize) * in_features * itemsize
+    """Dense bytes a packed Linear's dequantize + cuBLAS call holds at once (the most of the table's dequantize
+    entries): the whole weight, or one pass's columns (what the capacity planner reserves)."""
+    return max(_pass_width(b, out_features, in_features, itemsize) for _, b in BLOCKS_BY_M
+               if b.kind == "dequantize") * in_features * itemsize
 
 
 def dequantized_matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -1,0 +1,48 @@
+"""The W4A16 kernel sweep's adopt step (benchmarks/kernel_wna16.py): which tiles a --sweep run's ranking puts
+into kernels/wna16.py's table, written as the code's own source. No GPU: the ranking is made up here."""
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from quantship.kernels import wna16
+from quantship.kernels.wna16 import Blocks
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+kernel_wna16 = pytest.importorskip("kernel_wna16")
+
+GEMV = Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)
+FLOAT_GEMV = Blocks("gemv", 1, 256, 64, -1, 2, 1)
+SWAP = Blocks("swap_x", 16, 128, 256, 8, 4, 3)
+WHOLE = Blocks("dequantize", 0, 64, 64, 1, 4, 1)
+PASSES = Blocks("dequantize", 0, 128, 128, 1, 4, 1, chunk_bytes=16 << 20)
+
+
+def ranking(**by_m):
+    return {"ranking": {str(m): [(asdict(b), t) for b, t in items] for m, items in by_m.items()}, "rows": [],
+            "sweep_shapes": []}
+
+
+def test_dequantize_in_passes_is_adopted_by_m_and_written_as_source(monkeypatch):
+    """A sweep where 256 rows dequantize whole fastest and 2,048 in passes: 65-256 rows get their own
+    dequantize class, the rest the passes; the source adopt writes says chunk_bytes, and the planner's view
+    of the table (where dequantizing starts, what one call holds) follows it."""
+    r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(SWAP, 1.0)],
+                   "256": [(WHOLE, 1.0), (PASSES, 1.1)], "2048": [(PASSES, 1.0), (WHOLE, 1.2)]})
+    table, tinygemm_rows = kernel_wna16.adopted_table(r)
+    assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (256, WHOLE), (None, PASSES)] and tinygemm_rows == 0
+    assert kernel_wna16._source(PASSES) == 'Blocks("dequantize", 0, 128, 128, 1, 4, 1, chunk_bytes=16777216)'
+    assert eval(kernel_wna16._source(PASSES), {"Blocks": Blocks}) == PASSES
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", table)
+    assert wna16.dequantizes_from() == 17
+    assert wna16.choose_blocks(300) == PASSES and wna16.choose_blocks(200) == WHOLE
+    assert wna16.dequantized_bytes(22016, 4096, 2) == 22016 * 4096 * 2  # the whole-weight class holds it all
+
+
+def test_the_same_dequantize_tiles_at_every_swept_m_are_one_class():
+    r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "64": [(SWAP, 1.0)],
+                   "256": [(PASSES, 1.0)], "2048": [(PASSES, 1.0)]})
+    table, _ = kernel_wna16.adopted_table(r)
+    assert table[-2:] == [(64, SWAP), (None, PASSES)]
