@@ -6,10 +6,13 @@ import triton.language as tl
 from quantship.kernels._wna16_triton import (
     _last_split,
     _take_sums,
+    _tile_meta,
     _tile_offset,
     _tile_values_2d,
+    _words,
+    gemv_product,
     gemv_tile,
-    gemv_tile_bf16x2,
+    gemv_x,
     packed_tile_dot,
     swap_tile_dot,
 )
@@ -180,35 +183,75 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
 
 
 @triton.jit
-def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin, k_end, BITS: tl.constexpr,
-               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """[BN] float32: one row of x times packed expert e's weight [E, ceil(K/P), N], inputs k_begin .. k_end,
-    through the dense GEMV's tile (wna16 gemv_tile; BF16X2: int4 and bf16 x on a GPU, gemv_tile_bf16x2)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    word_rows = tl.cdiv(K, PER_WORD)
+def _expert_weight(w_ptr, s_ptr, z_ptr, e, K, N, group_size, BITS: tl.constexpr):
+    """Packed expert e's weight, scales and zero points in stacks [E, ceil(K/P), N], [E, G, N]."""
+    word_rows = tl.cdiv(K, 32 // BITS)
     metas = tl.cdiv(K, group_size) * N
-    w_ptr += e * word_rows * N
-    s_ptr += e * metas
-    z_ptr += e * metas
-    r = tl.arange(0, ROWS)
-    if SPANS:
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if BF16X2:
-            acc = gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size,
-                                   HAS_ZERO, SPANS, False)
-        else:
-            acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS,
-                            HAS_ZERO, SPANS, False)
+    return w_ptr + e * word_rows * N, s_ptr + e * metas, z_ptr + e * metas
+
+
+@triton.jit
+def _row_sums(acc, SPANS: tl.constexpr):
+    """A GEMV accumulator as [BN] sums (SPANS keeps one row per word row)."""
     if SPANS:
         out = tl.sum(acc, axis=0)
     else:
         out = acc
     return out
+
+
+@triton.jit
+def _gemv_acc(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr):
+    if SPANS:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin, k_end, BITS: tl.constexpr,
+               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """[BN] float32: one row of x times packed expert e's weight [E, ceil(K/P), N], inputs k_begin .. k_end,
+    through the dense GEMV's tile (wna16 gemv_tile; BF16X2: int4 and bf16 x on a GPU, two values per
+    instruction)."""
+    ROWS: tl.constexpr = BLOCK_K // (32 // BITS)
+    w_ptr, s_ptr, z_ptr = _expert_weight(w_ptr, s_ptr, z_ptr, e, K, N, group_size, BITS)
+    r = tl.arange(0, ROWS)
+    acc = _gemv_acc(ROWS, BLOCK_N, SPANS)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N, K, group_size,
+                        BITS, HAS_ZERO, SPANS, BF16X2, False)
+    return _row_sums(acc, SPANS)
+
+
+@triton.jit
+def _slot_gemv_gate_up(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, K, N,
+                       group_size, k_begin, k_end, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr,
+                       BF16X2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_slot_gemv for an expert's gate and up at once: both word tiles are loaded before x's tile, which
+    both products share (one load and spread of x, both weights' loads in flight together)."""
+    ROWS: tl.constexpr = BLOCK_K // (32 // BITS)
+    word_rows = tl.cdiv(K, 32 // BITS)
+    gate_ptr, gate_s_ptr, gate_z_ptr = _expert_weight(gate_ptr, gate_s_ptr, gate_z_ptr, e, K, N, group_size, BITS)
+    up_ptr, up_s_ptr, up_z_ptr = _expert_weight(up_ptr, up_s_ptr, up_z_ptr, e, K, N, group_size, BITS)
+    r = tl.arange(0, ROWS)
+    gate = _gemv_acc(ROWS, BLOCK_N, SPANS)
+    up = _gemv_acc(ROWS, BLOCK_N, SPANS)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        rows = k0 // (32 // BITS) + r
+        # both weights' words first, then their scales, then x: the loads do not wait on each other
+        gate_w, gate_hi = _words(gate_ptr, rows, offs_n, word_rows, N)
+        up_w, up_hi = _words(up_ptr, rows, offs_n, word_rows, N)
+        gate_scale, gate_base = _tile_meta(gate_s_ptr, gate_z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS,
+                                           HAS_ZERO, SPANS)
+        up_scale, up_base = _tile_meta(up_s_ptr, up_z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS,
+                                       HAS_ZERO, SPANS)
+        xs = gemv_x(x_row, k0, r, K, BITS, BF16X2, False)
+        gate = gemv_product(gate, (gate_w, gate_hi, gate_scale, gate_base), xs, BITS, HAS_ZERO, SPANS, BF16X2)
+        up = gemv_product(up, (up_w, up_hi, up_scale, up_base), xs, BITS, HAS_ZERO, SPANS, BF16X2)
+    return _row_sums(gate, SPANS), _row_sums(up, SPANS)
 
 
 @triton.jit
@@ -227,10 +270,8 @@ def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_
     x_row = x_ptr + (slot // TOP_K) * H
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin, k_end = _k_range(H, k_per_split)
-    gate = _slot_gemv(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end, BITS,
-                      HAS_ZERO, SPANS, BF16X2, BLOCK_N, BLOCK_K)
-    up = _slot_gemv(x_row, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end, BITS, HAS_ZERO,
-                    SPANS, BF16X2, BLOCK_N, BLOCK_K)
+    gate, up = _slot_gemv_gate_up(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H,
+                                  I, group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BF16X2, BLOCK_N, BLOCK_K)
     mask = offs_n < I
     offsets = slot * I + offs_n
     if SPLIT:

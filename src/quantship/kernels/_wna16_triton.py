@@ -86,22 +86,6 @@ def _words(w_ptr, rows, offs_n, word_rows, N):
 
 
 @triton.jit
-def _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
-               HAS_ZERO: tl.constexpr):
-    """Words [R, BN] of word rows `rows`, their upper halves, and each word's scale and offset base
-    (gathered per word row, so a tile may span groups)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
-    ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
-    meta = (rows * PER_WORD // group_size)[:, None] * N + offs_n[None, :]
-    scale = tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-    base = scale
-    if HAS_ZERO:
-        base = tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32) + (1 << (BITS - 1))
-    return w, hi, scale, base
-
-
-@triton.jit
 def _group_scale(s_ptr, z_ptr, group, offs_n, N, BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
     """One group's scale and offset base as [1, BN] (the tile lies inside the group)."""
     ok = offs_n < N
@@ -113,15 +97,28 @@ def _group_scale(s_ptr, z_ptr, group, offs_n, N, BITS: tl.constexpr, HAS_ZERO: t
 
 
 @triton.jit
+def _tile_meta(s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
+               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+    """A word tile's scales and offset bases: gathered per word row [R, BN] where the tile spans groups
+    (SPANS), else the one group's rows [1, BN]."""
+    if SPANS:
+        ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
+        meta = (rows * (32 // BITS) // group_size)[:, None] * N + offs_n[None, :]
+        scale = tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+        base = scale
+        if HAS_ZERO:
+            base = tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32) + (1 << (BITS - 1))
+    else:
+        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+    return scale, base
+
+
+@triton.jit
 def _tile_words(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
                 HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
-    """A word tile, its upper halves, scales and offset bases: gathered per word row [R, BN] where the
-    tile spans groups (SPANS), else the one group's rows [1, BN]."""
-    if SPANS:
-        w, hi, scale, base = _word_tile(w_ptr, s_ptr, z_ptr, rows, offs_n, word_rows, N, group_size, BITS, HAS_ZERO)
-    else:
-        w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
-        scale, base = _group_scale(s_ptr, z_ptr, k0 // group_size, offs_n, N, BITS, HAS_ZERO)
+    """A word tile [R, BN] of word rows `rows`, its upper halves, scales and offset bases (_tile_meta)."""
+    w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
+    scale, base = _tile_meta(s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO, SPANS)
     return w, hi, scale, base
 
 
@@ -238,54 +235,6 @@ def _value_slices(xs, PER_WORD: tl.constexpr):
 
 
 @triton.jit
-def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS: tl.constexpr,
-              HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr):
-    """acc plus one K tile of the GEMV: inputs k0 .. k0 + R*P of the row `x_row` points at, times the word
-    rows k0 / P + r of the packed weight at w_ptr (outputs offs_n), on CUDA cores in float32. Shared by
-    the dense GEMV and the fused MoE's per-slot GEMV (there w_ptr is one expert's weight)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size,
-                                     BITS, HAS_ZERO, SPANS)
-    # x over 2^(bits * (i % half)) for value position i (_word_values), before the tile is sliced and spread
-    position = tl.arange(0, PER_WORD)
-    divisor = (1 << (BITS * (position % (PER_WORD // 2)))).to(tl.float32)
-    xs = _value_slices(_x_tile(x_row, k0, r, K, PER_WORD, GATED).to(tl.float32) / divisor[None, None, :], PER_WORD)
-    part = tl.zeros((r.shape[0], offs_n.shape[0]), dtype=tl.float32)
-    for i in tl.static_range(PER_WORD):
-        part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * xs[i]
-    return _add_scaled(acc, part, scale, SPANS)
-
-
-@triton.jit
-def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
-                      k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                      FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
-    sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
-    each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    pid_n = tl.program_id(0)
-    row_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, ROWS)
-    word_rows = tl.cdiv(K, PER_WORD)
-    if SPANS:
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K,
-                        group_size, BITS, HAS_ZERO, SPANS, GATED)
-    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
-               SPANS)
-
-
-@triton.jit
 def _bf16_bits(x):
     """bf16 values' 16 bits in the low half of an int32."""
     return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -336,21 +285,85 @@ add.f32 $0, lo, hi;
 
 
 @triton.jit
-def gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size,
-                     HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr):
-    """gemv_tile for int4 weights and bf16 x, two values per instruction (_DOT8_BF16X2): inputs k0 ..
-    k0 + 8R. Shared by the dense bf16x2 GEMV and the fused MoE's per-slot GEMV."""
-    w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
-                                     HAS_ZERO, SPANS)
-    if HAS_ZERO:
-        offset = base + 128.0  # base is the zero point + 8
+def gemv_x(x_row, k0, r, K, BITS: tl.constexpr, BF16X2: tl.constexpr, GATED: tl.constexpr):
+    """One K tile of x (inputs k0 .. k0 + R*P of the row `x_row` points at) as the GEMV's product takes it:
+    bf16x2 pairs (BF16X2, _x_pairs), or float32 slices per value position over 2^(bits * (i % half))
+    (_word_values' scaling), scaled on the tile as loaded, before it is sliced and spread."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    if BF16X2:
+        xs = _x_pairs(x_row, k0, r, K, GATED)
     else:
-        offset = tl.zeros_like(scale) + 136.0
-    neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    p0, p1, p2, p3 = _x_pairs(x_row, k0, r, K, GATED)
-    part = tl.inline_asm_elementwise(_DOT8_BF16X2, "=r,r,r,r,r,r,r", [w, p0, p1, p2, p3, neg | (neg << 16)],
-                                     dtype=tl.float32, is_pure=True, pack=1)
+        position = tl.arange(0, PER_WORD)
+        divisor = (1 << (BITS * (position % (PER_WORD // 2)))).to(tl.float32)
+        xs = _value_slices(_x_tile(x_row, k0, r, K, PER_WORD, GATED).to(tl.float32) / divisor[None, None, :],
+                           PER_WORD)
+    return xs
+
+
+@triton.jit
+def gemv_product(acc, words, xs, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr,
+                 BF16X2: tl.constexpr):
+    """acc plus one K tile of the GEMV: the word tile (_tile_words: words [R, BN], upper halves, scales,
+    offset bases) times x's tile (gemv_x), on CUDA cores. BF16X2 (int4, bf16 x, GPU only): two values per
+    instruction (_DOT8_BF16X2), products and 4-term chains rounded to bf16 as a bf16 dequantized weight
+    would be; else float32 throughout."""
+    w, hi, scale, base = words
+    if BF16X2:
+        if HAS_ZERO:
+            offset = base + 128.0  # base is the zero point + 8
+        else:
+            offset = tl.zeros_like(scale) + 136.0
+        neg = (-offset).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        part = tl.inline_asm_elementwise(_DOT8_BF16X2, "=r,r,r,r,r,r,r",
+                                         [w, xs[0], xs[1], xs[2], xs[3], neg | (neg << 16)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        PER_WORD: tl.constexpr = 32 // BITS
+        part = tl.zeros(w.shape, dtype=tl.float32)
+        for i in tl.static_range(PER_WORD):
+            part += _word_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO) * xs[i]
     return _add_scaled(acc, part, scale, SPANS)
+
+
+@triton.jit
+def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS: tl.constexpr,
+              HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr, GATED: tl.constexpr):
+    """acc plus one K tile of the GEMV: inputs k0 .. k0 + R*P of the row `x_row` points at, times the word
+    rows k0 / P + r of the packed weight at w_ptr (outputs offs_n). The words are loaded first, so they are
+    in flight while x's tile is spread. Shared by the dense GEMVs and the fused MoE's per-slot GEMV (there
+    w_ptr is one expert's weight)."""
+    words = _tile_words(w_ptr, s_ptr, z_ptr, k0 // (32 // BITS) + r, k0, offs_n, word_rows, N, group_size, BITS,
+                        HAS_ZERO, SPANS)
+    return gemv_product(acc, words, gemv_x(x_row, k0, r, K, BITS, BF16X2, GATED), BITS, HAS_ZERO, SPANS, BF16X2)
+
+
+@triton.jit
+def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
+                      k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                      FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
+    sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
+    each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    pid_n = tl.program_id(0)
+    row_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    word_rows = tl.cdiv(K, PER_WORD)
+    if SPANS:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K,
+                        group_size, BITS, HAS_ZERO, SPANS, False, GATED)
+    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
+               SPANS)
 
 
 @triton.jit
@@ -376,8 +389,8 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile_bf16x2(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, HAS_ZERO,
-                               SPANS, GATED)
+        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, 4, HAS_ZERO,
+                        SPANS, True, GATED)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 
