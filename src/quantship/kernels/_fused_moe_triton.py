@@ -51,58 +51,104 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
 
 
 @triton.jit
-def _swapped_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, offs_n, K, N, group_size, k_begin, k_end,
-                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_expert_product of a packed expert (w_ptr, s_ptr, z_ptr at its stack entry) as the dense swap_x
-    tile computes it: y^T = W x^T with the weight's values the left operand, x's K tile one load of the
-    block's gathered rows [R, BM, P] (wna16 swap_tile_dot), transposed once at the end."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    r = tl.arange(0, BLOCK_K // PER_WORD)
-    inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + inputs
-        xs = tl.load(a_rows[None, :, None] + k, mask=a_ok[None, :, None] & (k < K), other=0.0)
-        acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
-                             group_size, BITS, HAS_ZERO, SPANS, False)
-    return tl.trans(acc)
+def _block_x(a_rows, a_ok, k0, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+             SWAP: tl.constexpr):
+    """x's K tile of a block's rows (`a_rows`: a pointer to each row's start, `a_ok` its mask) as the block's
+    product takes it (_block_step): packed experts in decode blocks [R, BM, P] (SWAP) or [BM, R, P] (input
+    k0 + r*P + i of each row, sliced per value position there), else [BM, BK]."""
+    if BITS != 0 and BLOCK_M <= 16:
+        PER_WORD: tl.constexpr = 32 // BITS
+        r = tl.arange(0, BLOCK_K // PER_WORD)
+        i = tl.arange(0, PER_WORD)
+        if SWAP:
+            k = k0 + r[:, None, None] * PER_WORD + i[None, None, :]
+            x = tl.load(a_rows[None, :, None] + k, mask=a_ok[None, :, None] & (k < K), other=0.0)
+        else:
+            k = k0 + r[None, :, None] * PER_WORD + i[None, None, :]
+            x = tl.load(a_rows[:, None, None] + k, mask=a_ok[:, None, None] & (k < K), other=0.0)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+    return x
+
+
+@triton.jit
+def _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_size, BITS: tl.constexpr,
+                HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                KN: tl.constexpr, SWAP: tl.constexpr):
+    """acc plus one K tile of one expert's product with x's tile (_block_x). BITS 0: dense [E, N, K] (KN:
+    [E, K, N]). BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8 zero points): decode
+    blocks through the plain W4A16/W8A16 kernels' tile products (packed_tile_dot; SWAP: swap_x's,
+    swap_tile_dot, acc then [BN, BM]), prefill blocks through whole dequantized tiles (measured faster
+    for 64 rows). Static branches: the packed arithmetic is not even compiled for dense experts."""
+    if BITS == 0:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        acc += tl.dot(x, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN).to(x.dtype), out_dtype=tl.float32)
+    else:
+        PER_WORD: tl.constexpr = 32 // BITS
+        metas = tl.cdiv(K, group_size) * N
+        w_ptr += expert * tl.cdiv(K, PER_WORD) * N
+        s_ptr += expert * metas
+        z_ptr += expert * metas
+        if BLOCK_M <= 16 and SWAP:
+            rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+            acc += swap_tile_dot(x, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, tl.cdiv(K, PER_WORD), N, group_size, BITS,
+                                 HAS_ZERO, SPANS, False)
+        elif BLOCK_M <= 16:
+            acc += packed_tile_dot(x, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            tile = _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
+            acc += tl.dot(x, tile.to(x.dtype), out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _block_acc(BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A block product's accumulator: [BN, BM] where swap_x's product runs (packed decode blocks, SWAP)."""
+    if SWAP and BITS != 0 and BLOCK_M <= 16:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _block_out(acc, BITS: tl.constexpr, BLOCK_M: tl.constexpr, SWAP: tl.constexpr):
+    """A block product as [BM, BN] (swap_x's transposed once, after the K loop)."""
+    if SWAP and BITS != 0 and BLOCK_M <= 16:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
 def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size, k_begin, k_end,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr, SWAP: tl.constexpr):
-    """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end.
+    """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end."""
+    acc = _block_acc(BITS, BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K, SWAP)
+        acc = _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
+                          BLOCK_M, BLOCK_K, KN, SWAP)
+    return _block_out(acc, BITS, BLOCK_M, SWAP)
 
-    BITS 0: dense [E, N, K] (KN: [E, K, N]). BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8
-    zero points), through the packed tile product of the plain W4A16/W8A16 kernels; SWAP (packed, decode
-    blocks): through the swap_x tile's product instead (_swapped_product)."""
-    PER_WORD: tl.constexpr = 32 // BITS if BITS else 1
-    words = tl.cdiv(K, PER_WORD) * N
-    metas = tl.cdiv(K, group_size) * N
-    if SWAP and BITS != 0 and BLOCK_M <= 16:
-        acc = _swapped_product(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas, z_ptr + expert * metas,
-                               offs_n, K, N, group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N,
-                               BLOCK_K)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            if BITS == 0:  # static branches: the packed arithmetic is not even compiled for dense experts
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-                acc += tl.dot(a, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN).to(a.dtype), out_dtype=tl.float32)
-            elif BLOCK_M <= 16:  # decode: each word loaded once, one small product per value position
-                acc += packed_tile_dot(a_rows, a_ok, w_ptr + expert * words, s_ptr + expert * metas,
-                                       z_ptr + expert * metas, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
-                                       BLOCK_M, BLOCK_N, BLOCK_K)
-            else:  # prefill: the tile dequantized whole, one deep product (measured faster for 64 rows)
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-                tile = _packed_tile(w_ptr + expert * words, s_ptr + expert * metas, z_ptr + expert * metas, k0, offs_k,
-                                    offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
-                acc += tl.dot(a, tile.to(a.dtype), out_dtype=tl.float32)
-    return acc
+
+@triton.jit
+def _gate_up_products(a_rows, a_ok, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, expert, offs_n,
+                      K, N, group_size, k_begin, k_end, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      KN: tl.constexpr, SWAP: tl.constexpr):
+    """_expert_product for an expert's gate and up in one K loop: x's tile is loaded once for both."""
+    gate = _block_acc(BITS, BLOCK_M, BLOCK_N, SWAP)
+    up = _block_acc(BITS, BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K, SWAP)
+        gate = _block_step(gate, x, gate_ptr, gate_s_ptr, gate_z_ptr, expert, k0, offs_n, K, N, group_size, BITS,
+                           HAS_ZERO, SPANS, BLOCK_M, BLOCK_K, KN, SWAP)
+        up = _block_step(up, x, up_ptr, up_s_ptr, up_z_ptr, expert, k0, offs_n, K, N, group_size, BITS, HAS_ZERO,
+                         SPANS, BLOCK_M, BLOCK_K, KN, SWAP)
+    return _block_out(gate, BITS, BLOCK_M, SWAP), _block_out(up, BITS, BLOCK_M, SWAP)
 
 
 @triton.jit
@@ -133,10 +179,9 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         a_rows = x_ptr + token * H
         k_begin, k_end = _k_range(H, k_per_split)
-        gate = _expert_product(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, e, offs_n, H, I, group_size,
-                               k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN, SWAP)
-        up = _expert_product(a_rows, valid, up_ptr, up_s_ptr, up_z_ptr, e, offs_n, H, I, group_size, k_begin, k_end,
-                             BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN, SWAP)
+        gate, up = _gate_up_products(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, e,
+                                     offs_n, H, I, group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, KN, SWAP)
         mask = valid[:, None] & (offs_n[None, :] < I)
         offsets = slot[:, None] * I + offs_n[None, :]
         if SPLIT:

@@ -396,28 +396,24 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
 
 
 @triton.jit
-def packed_tile_dot(a_rows, a_ok, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS: tl.constexpr,
-                    HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """[BLOCK_M, BN] float32: rows of x (`a_rows`: a pointer to each row's start, `a_ok` its mask) times
-    input rows k0 .. k0 + BLOCK_K of the packed weight, on tensor cores. The word tile is loaded once
-    and gives one product per value position i (x's columns r*P + i against values i of the tile's
-    word rows), so it is never reshaped; x's tile is one load [BM, R, P] sliced per position
-    (_value_slices), used as it is (_exact_values). SPANS: the tile spans groups and the scales multiply
-    the values; else one group's scale row multiplies the product."""
+def packed_tile_dot(xt, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+    """[BM, BN] float32: x's K tile as loaded ([BM, R, P]: row m's input k0 + r*P + i at [m, r, i]) times
+    input rows k0 .. k0 + R*P of the packed weight, on tensor cores. The word tile is loaded once and gives
+    one product per value position i (x's slice i, _value_slices, against values i of the tile's word rows,
+    _exact_values, x used as it is), so it is never reshaped. SPANS: the tile spans groups and the scales
+    multiply the values; else one group's scale row multiplies the product."""
     PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    r = tl.arange(0, ROWS)
+    r = tl.arange(0, xt.shape[1])
     w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
                                      group_size, BITS, HAS_ZERO, SPANS)
-    k = k0 + r[None, :, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [1, R, P]
-    xs = _value_slices(tl.load(a_rows[:, None, None] + k, mask=a_ok[:, None, None] & (k < K), other=0.0), PER_WORD)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xs = _value_slices(xt, PER_WORD)
+    part = tl.zeros((xt.shape[0], offs_n.shape[0]), dtype=tl.float32)
     for i in tl.static_range(PER_WORD):
         v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
         if SPANS:
             v = v * scale
-        part = tl.dot(xs[i], v.to(a_rows.dtype.element_ty), part, out_dtype=tl.float32)
+        part = tl.dot(xs[i], v.to(xt.dtype), part, out_dtype=tl.float32)
     if not SPANS:
         part = part * scale
     return part
