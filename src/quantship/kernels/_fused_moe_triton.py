@@ -10,6 +10,7 @@ from quantship.kernels._wna16_triton import (
     _tile_offset,
     _tile_values_2d,
     _words,
+    gemv_acc,
     gemv_product,
     gemv_tile,
     gemv_x,
@@ -246,15 +247,6 @@ def _row_sums(acc, SPANS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_acc(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr):
-    if SPANS:
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
 def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin, k_end, BITS: tl.constexpr,
                HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):
@@ -264,7 +256,7 @@ def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin,
     ROWS: tl.constexpr = BLOCK_K // (32 // BITS)
     w_ptr, s_ptr, z_ptr = _expert_weight(w_ptr, s_ptr, z_ptr, e, K, N, group_size, BITS)
     r = tl.arange(0, ROWS)
-    acc = _gemv_acc(ROWS, BLOCK_N, SPANS)
+    acc = gemv_acc(ROWS, BLOCK_N, SPANS)
     for k0 in range(k_begin, k_end, BLOCK_K):
         acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N, K, group_size,
                         BITS, HAS_ZERO, SPANS, BF16X2, False)
@@ -282,8 +274,8 @@ def _slot_gemv_gate_up(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
     gate_ptr, gate_s_ptr, gate_z_ptr = _expert_weight(gate_ptr, gate_s_ptr, gate_z_ptr, e, K, N, group_size, BITS)
     up_ptr, up_s_ptr, up_z_ptr = _expert_weight(up_ptr, up_s_ptr, up_z_ptr, e, K, N, group_size, BITS)
     r = tl.arange(0, ROWS)
-    gate = _gemv_acc(ROWS, BLOCK_N, SPANS)
-    up = _gemv_acc(ROWS, BLOCK_N, SPANS)
+    gate = gemv_acc(ROWS, BLOCK_N, SPANS)
+    up = gemv_acc(ROWS, BLOCK_N, SPANS)
     for k0 in range(k_begin, k_end, BLOCK_K):
         rows = k0 // (32 // BITS) + r
         # both weights' words first, then their scales, then x: the loads do not wait on each other

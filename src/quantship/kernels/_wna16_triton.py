@@ -338,6 +338,36 @@ def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, g
 
 
 @triton.jit
+def gemv_acc(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr):
+    """A GEMV's accumulator: [R, BN] where tiles span groups (SPANS: scaled per word row), else [BN]."""
+    if SPANS:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split,
+          BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
+          BF16X2: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dense GEMVs' program: row program_id(1) of x, outputs program_id(0), K split program_id(2)."""
+    ROWS: tl.constexpr = BLOCK_K // (32 // BITS)
+    pid_n = tl.program_id(0)
+    row_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    acc = gemv_acc(ROWS, BLOCK_N, SPANS)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N,
+                        K, group_size, BITS, HAS_ZERO, SPANS, BF16X2, GATED)
+    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
+               SPANS)
+
+
+@triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                       k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                       FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
@@ -345,25 +375,8 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M,
     """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
     sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
     each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    pid_n = tl.program_id(0)
-    row_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, ROWS)
-    word_rows = tl.cdiv(K, PER_WORD)
-    if SPANS:
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K,
-                        group_size, BITS, HAS_ZERO, SPANS, False, GATED)
-    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
-               SPANS)
+    _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split, BITS,
+          HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -374,25 +387,8 @@ def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
     would; the rest (pair sums, scales, the accumulation over K) is float32. GATED: as the GEMV's."""
-    ROWS: tl.constexpr = BLOCK_K // 8
-    pid_n = tl.program_id(0)
-    row_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, ROWS)
-    word_rows = tl.cdiv(K, 8)
-    x_row = x_ptr + row_m * stride_xm
-    if SPANS:
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, 4, HAS_ZERO,
-                        SPANS, True, GATED)
-    _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
-               SPANS)
+    _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split, 4,
+          HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -407,13 +403,26 @@ def packed_tile_dot(xt, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS:
     r = tl.arange(0, xt.shape[1])
     w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
                                      group_size, BITS, HAS_ZERO, SPANS)
-    xs = _value_slices(xt, PER_WORD)
     part = tl.zeros((xt.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    return _position_products(part, w, hi, scale, base, _value_slices(xt, PER_WORD), BITS, HAS_ZERO, SPANS, False)
+
+
+@triton.jit
+def _position_products(part, w, hi, scale, base, slices, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       SPANS: tl.constexpr, WEIGHT_LEFT: tl.constexpr):
+    """part plus one tensor-core product per value position i: values i of the word tile (_exact_values;
+    scaled per word row where SPANS) with x's slice i, the weight the left operand (WEIGHT_LEFT: y^T = W x^T)
+    or the right; where not SPANS the sum is scaled per output after."""
+    PER_WORD: tl.constexpr = 32 // BITS
     for i in tl.static_range(PER_WORD):
         v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
         if SPANS:
             v = v * scale
-        part = tl.dot(xs[i], v.to(xt.dtype), part, out_dtype=tl.float32)
+        v = v.to(slices[0].dtype)
+        if WEIGHT_LEFT:
+            part = tl.dot(v, slices[i], part, out_dtype=tl.float32)
+        else:
+            part = tl.dot(slices[i], v, part, out_dtype=tl.float32)
     if not SPANS:
         part = part * scale
     return part
@@ -527,16 +536,8 @@ def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group
     PER_WORD: tl.constexpr = 32 // BITS
     w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO,
                                     SPANS, EVEN_K)
-    slices = _value_slices(xs, PER_WORD)
     part = tl.zeros((offs_n.shape[0], xs.shape[1]), dtype=tl.float32)
-    for i in tl.static_range(PER_WORD):
-        v = _exact_values(w if i < PER_WORD // 2 else hi, i, base, BITS, HAS_ZERO)
-        if SPANS:
-            v = v * scale
-        part = tl.dot(v.to(xs.dtype), slices[i], part, out_dtype=tl.float32)
-    if not SPANS:
-        part = part * scale
-    return part
+    return _position_products(part, w, hi, scale, base, _value_slices(xs, PER_WORD), BITS, HAS_ZERO, SPANS, True)
 
 
 @triton.jit
