@@ -12,8 +12,11 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
 - wna16_swap_dot_kernel (33 to 64 rows): y^T = W x^T on tensor cores, one product per value position
   of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
 - wna16_swap_x_kernel (2 to 32 rows): the same products, x read as it is, a K tile ahead.
-- dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
-packed_tile_dot is the fused MoE's tile (x rows gathered per expert, x's columns strided).
+- dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once, or a range of its
+  output columns per pass (Blocks.chunk_bytes); cuBLAS does the rest.
+The fused MoE reuses these pieces: the GEMV's words / x / product steps for its slot GEMV,
+packed_tile_dot (x's tile of rows gathered per expert as the left operand) and swap_tile_dot for its
+blocks.
 """
 
 import triton
