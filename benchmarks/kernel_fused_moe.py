@@ -208,7 +208,11 @@ def render() -> None:
              "slots per expert (prefill) the packed experts are dequantized once, a chunk of experts at a time, "
              "for the bf16 blocks (`dequantizes_experts`): at V2-Lite's 2,048 tokens 1.9x faster than the blocks "
              "that dequantize inside each 64-row tile, 0.71x of bf16. Neither decode path reads near the "
-             "bandwidth at one token (V3: 176 MB of W4A16 experts in 120 µs, 1.5 TB/s)."]
+             "bandwidth at one token (V3: 176 MB of W4A16 experts in 120 µs, 1.5 TB/s).", "",
+             "These runs predate stop 38's changes, not yet timed on a GPU: the slot GEMV loads both weights "
+             "before x and shares x's tile between gate and up; the blocks load x's tile once per K tile and "
+             "run gate and up in one K loop; the blocks through swap_x's product (`SWAP_BLOCKS`, off) and "
+             "dequantize-once at 128 and 512 tokens are new variants of this script."]
     update_section("kernel_fused_moe", "\n".join(text))
 
 

@@ -412,7 +412,9 @@ def render() -> None:
              *_partial_sweep_text(),
              "Since those sweeps the table takes `swap_x` from 2 to 32 rows, where it was the fastest, and keeps "
              "the swap tile at 64; the engine section's H100 quick runs show the decode step with each. The H200 "
-             "figures below are from before it.", "",
+             "figures below are from before it. Every figure in this section is also from before the GEMVs loaded "
+             "x's K tile once (stop 38: 23-44% fewer instructions in their compiled PTX, not yet timed on a "
+             "GPU).", "",
              "At one row the GEMV is about 1.9x bf16 cuBLAS over a layer, faster than tinygemm, and still reads "
              "well under the copy bandwidth (1.1-1.9 TB/s of 4.3 per call); from 4 to 16 rows the swap tile is "
              "level with bf16 to 1.16x faster, and at 32-64 rows slower than bf16 (0.9x, 0.73x over a layer). "

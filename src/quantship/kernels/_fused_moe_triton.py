@@ -56,7 +56,8 @@ def _block_x(a_rows, a_ok, k0, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLO
              SWAP: tl.constexpr):
     """x's K tile of a block's rows (`a_rows`: a pointer to each row's start, `a_ok` its mask) as the block's
     product takes it (_block_step): packed experts in decode blocks [R, BM, P] (SWAP) or [BM, R, P] (input
-    k0 + r*P + i of each row, sliced per value position there), else [BM, BK]."""
+    k0 + r*P + i of each row, sliced per value position there), else [BM, BK]. SWAP, here and in the
+    helpers below, is set by fused_moe only for packed experts in decode blocks."""
     if BITS != 0 and BLOCK_M <= 16:
         PER_WORD: tl.constexpr = 32 // BITS
         r = tl.arange(0, BLOCK_K // PER_WORD)
@@ -91,7 +92,7 @@ def _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_siz
         w_ptr += expert * tl.cdiv(K, PER_WORD) * N
         s_ptr += expert * metas
         z_ptr += expert * metas
-        if BLOCK_M <= 16 and SWAP:
+        if SWAP:
             rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
             acc += swap_tile_dot(x, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, tl.cdiv(K, PER_WORD), N, group_size, BITS,
                                  HAS_ZERO, SPANS, False)
@@ -105,9 +106,9 @@ def _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_siz
 
 
 @triton.jit
-def _block_acc(BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    """A block product's accumulator: [BN, BM] where swap_x's product runs (packed decode blocks, SWAP)."""
-    if SWAP and BITS != 0 and BLOCK_M <= 16:
+def _block_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A block product's accumulator: [BN, BM] where swap_x's product runs (SWAP), else [BM, BN]."""
+    if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -115,9 +116,9 @@ def _block_acc(BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _block_out(acc, BITS: tl.constexpr, BLOCK_M: tl.constexpr, SWAP: tl.constexpr):
+def _block_out(acc, SWAP: tl.constexpr):
     """A block product as [BM, BN] (swap_x's transposed once, after the K loop)."""
-    if SWAP and BITS != 0 and BLOCK_M <= 16:
+    if SWAP:
         acc = tl.trans(acc)
     return acc
 
@@ -127,12 +128,12 @@ def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, gro
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr, SWAP: tl.constexpr):
     """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end."""
-    acc = _block_acc(BITS, BLOCK_M, BLOCK_N, SWAP)
+    acc = _block_acc(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K, SWAP)
         acc = _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
                           BLOCK_M, BLOCK_K, KN, SWAP)
-    return _block_out(acc, BITS, BLOCK_M, SWAP)
+    return _block_out(acc, SWAP)
 
 
 @triton.jit
@@ -141,15 +142,15 @@ def _gate_up_products(a_rows, a_ok, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up
                       SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       KN: tl.constexpr, SWAP: tl.constexpr):
     """_expert_product for an expert's gate and up in one K loop: x's tile is loaded once for both."""
-    gate = _block_acc(BITS, BLOCK_M, BLOCK_N, SWAP)
-    up = _block_acc(BITS, BLOCK_M, BLOCK_N, SWAP)
+    gate = _block_acc(BLOCK_M, BLOCK_N, SWAP)
+    up = _block_acc(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K, SWAP)
         gate = _block_step(gate, x, gate_ptr, gate_s_ptr, gate_z_ptr, expert, k0, offs_n, K, N, group_size, BITS,
                            HAS_ZERO, SPANS, BLOCK_M, BLOCK_K, KN, SWAP)
         up = _block_step(up, x, up_ptr, up_s_ptr, up_z_ptr, expert, k0, offs_n, K, N, group_size, BITS, HAS_ZERO,
                          SPANS, BLOCK_M, BLOCK_K, KN, SWAP)
-    return _block_out(gate, BITS, BLOCK_M, SWAP), _block_out(up, BITS, BLOCK_M, SWAP)
+    return _block_out(gate, SWAP), _block_out(up, SWAP)
 
 
 @triton.jit

@@ -260,7 +260,7 @@ class _Blocks:
     block_k: int
     split_k: int
     launch: dict
-    swap: bool = False
+    swap: bool = False  # decode blocks through swap_x's product (launches of packed experts only)
 
 
 def _gate_up(b: _Blocks, x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, act: torch.Tensor,
@@ -279,7 +279,7 @@ def _gate_up(b: _Blocks, x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights
         x, *_pointers(gate), *_pointers(up), act, b.sorted_ids, b.block_expert, *(workspace or (act, b.sorted_ids)),
         b.slots, experts[0], experts[1], hidden, inter, b.top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
         HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
-        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, SWAP=b.swap and not kn, **b.launch)
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, SWAP=b.swap and gate.bits != 0 and not kn, **b.launch)
 
 
 def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Tensor, out: torch.Tensor,
@@ -298,7 +298,7 @@ def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Ten
         act, *_pointers(down), out, b.sorted_ids, b.block_expert, routing, *(workspace or (out, b.sorted_ids)),
         b.slots, experts[0], experts[1], hidden, inter, max(down.group_size, 1), per_split, BITS=down.bits,
         HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
-        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, SWAP=b.swap and not kn, **b.launch)
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, SWAP=b.swap and down.bits != 0 and not kn, **b.launch)
 
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
@@ -328,7 +328,7 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
     b = _Blocks(sorted_ids, block_expert, slots, top_k, block_m, block_n, block_k,
                 (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1, launch or {},
-                SWAP_BLOCKS if swap is None else swap)
+                (SWAP_BLOCKS if swap is None else swap) and block_m <= 16)
     x = x.contiguous()
     routing = weights.reshape(-1).float().contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)

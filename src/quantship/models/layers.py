@@ -138,8 +138,9 @@ class MLP(nn.Module, SharedInput):
         return "gate_proj", "up_proj"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = use_fused_ops(x)
         merged, gated = getattr(self, "merged", None), getattr(self.down_proj, "gated", None)
-        if merged is not None and gated is not None and use_fused_ops(x):
+        if fused and merged is not None and gated is not None:
             # a packed down projection makes SwiGLU's product itself where it runs its GEMV (one row)
             both = merged.linear(x)
             out = gated(both)
@@ -148,7 +149,7 @@ class MLP(nn.Module, SharedInput):
             gate, up = both.split(merged.sizes, dim=-1)
         else:
             gate, up = self.project(x)
-        product = elementwise.silu_mul if use_fused_ops(gate) else elementwise.reference_silu_mul
+        product = elementwise.silu_mul if fused else elementwise.reference_silu_mul
         return self.down_proj(product(gate, up))
 
 
