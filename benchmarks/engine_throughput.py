@@ -462,8 +462,9 @@ def prefill_kernels(model, config, prompt_len: int, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile as profiler
 
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len)).tolist()
-    if prompt_len > config.max_num_batched_tokens:
-        config = replace(config, max_num_batched_tokens=prompt_len, max_model_len=prompt_len + 8)
+    if prompt_len > config.max_num_batched_tokens or prompt_len >= config.max_model_len:
+        config = replace(config, max_num_batched_tokens=max(prompt_len, config.max_num_batched_tokens),
+                         max_model_len=max(prompt_len + 8, config.max_model_len))
     time_engine(model, prompt, 1, config)
     wall = time_engine(model, prompt, 1, config)
     print_host_functions(f"{label}: host functions of a {prompt_len}-token prefill",

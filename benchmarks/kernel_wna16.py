@@ -120,7 +120,7 @@ def candidates(m: int):
     (memset, kernel, cast), so the run shows what finishing in the kernel gained."""
     from quantship.kernels.wna16 import Blocks, choose_blocks
 
-    out = [replace(choose_blocks(m), finish=False)]
+    out = [choose_blocks(m), replace(choose_blocks(m), finish=False)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
@@ -208,8 +208,9 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
         print({key: (f"{v:.3g}" if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
         if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
             reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
-            for blocks in candidates(m):
-                if kinds and blocks.kind not in kinds and blocks != replace(wna16.choose_blocks(m), finish=False):
+            for blocks in dict.fromkeys(candidates(m)):  # the table's entry may be a candidate too
+                entry = wna16.choose_blocks(m)  # the table's entry, both ways, is timed in any sweep
+                if kinds and blocks.kind not in kinds and blocks not in (entry, replace(entry, finish=False)):
                     continue
                 try:
                     got = wna16.matmul(x, *w4[0], 4, k, GROUP, blocks=blocks).float()
@@ -438,13 +439,15 @@ def _source(b) -> str:
     return text + (f", chunk_bytes={b.chunk_bytes}" if b.chunk_bytes else "") + ")"
 
 
-def adopted_table(r: dict):
+def adopted_table(r: dict, current: list | None = None):
     """The table a sweep's run measured best: per swept M the fastest tiles summed over the layer's four
     calls (at one row also the fastest float32 GEMV, for what the bf16x2 PTX cannot take), the fastest
     dequantize + cuBLAS for M past the last; and the most rows for which tinygemm beat them all (from one
-    row up; 0: never)."""
+    row up; 0: never). A class of the `current` table (kernels/wna16.py's) whose M the run did not sweep
+    (--ms) keeps its tiles: a sweep of some rows says nothing about the others."""
     from quantship.kernels.wna16 import BLOCKS_BY_M, choose_blocks
 
+    current = BLOCKS_BY_M if current is None else current
     ranking = runnable_ranking(r)
 
     def canonical(b):  # finish means nothing to dequantize + cuBLAS (no split): the default, whichever ran
@@ -453,8 +456,13 @@ def adopted_table(r: dict):
     def fastest(m, kind, default):  # a sweep of some kernels only (--kinds) keeps the table's entry for the rest
         return next((b for b, _ in ranking.get(m, []) if b.kind == kind), default)
 
+    unswept = [(limit, b) for limit, b in current if limit is not None and limit not in ranking
+               and limit < max(ranking)]
     table = []
-    for m in sorted(ranking):
+    for m in sorted([*ranking, *(limit for limit, _ in unswept)]):
+        if m not in ranking:
+            table.append(next(entry for entry in unswept if entry[0] == m))
+            continue
         table.append((m, canonical(ranking[m][0][0])))
         if m == 1:
             table.append((1, fastest(1, "gemv", choose_blocks(1, bf16x2=False))))

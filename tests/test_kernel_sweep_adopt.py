@@ -31,7 +31,7 @@ def test_dequantize_in_passes_is_adopted_by_m_and_written_as_source(monkeypatch)
     of the table (where dequantizing starts, what one call holds) follows it."""
     r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(SWAP, 1.0)],
                    "256": [(WHOLE, 1.0), (PASSES, 1.1)], "2048": [(PASSES, 1.0), (WHOLE, 1.2)]})
-    table, tinygemm_rows = kernel_wna16.adopted_table(r)
+    table, tinygemm_rows = kernel_wna16.adopted_table(r, current=[(1, GEMV), (16, SWAP), (None, WHOLE)])
     assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (256, WHOLE), (None, PASSES)] and tinygemm_rows == 0
     assert kernel_wna16._source(PASSES) == 'Blocks("dequantize", 0, 128, 128, 1, 4, 1, chunk_bytes=16777216)'
     assert eval(kernel_wna16._source(PASSES), {"Blocks": Blocks}) == PASSES
@@ -44,5 +44,19 @@ def test_dequantize_in_passes_is_adopted_by_m_and_written_as_source(monkeypatch)
 def test_the_same_dequantize_tiles_at_every_swept_m_are_one_class():
     r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "64": [(SWAP, 1.0)],
                    "256": [(PASSES, 1.0)], "2048": [(PASSES, 1.0)]})
-    table, _ = kernel_wna16.adopted_table(r)
+    table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (64, SWAP), (None, WHOLE)])
     assert table[-2:] == [(64, SWAP), (None, PASSES)]
+
+
+def test_a_sweep_of_some_rows_keeps_the_tables_classes_it_did_not_sweep():
+    """A sweep run with --ms 1 16 128 2048 replaces those classes' tiles and keeps the table's 32- and
+    64-row classes (it timed nothing there); a class past the last swept M goes to dequantize + cuBLAS."""
+    r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(SWAP, 1.0)],
+                   "128": [(WHOLE, 1.0)], "2048": [(PASSES, 1.0), (WHOLE, 1.1)]})
+    at_32, at_64, at_4096 = (Blocks("swap_x", 32, 64, 128, 4, 4, 3), Blocks("swap_dot", 64, 128, 128, 4, 4, 4),
+                             Blocks("swap_x", 64, 128, 128, 4, 4, 3))
+    current = [(1, GEMV), (16, Blocks("swap_x", 16, 64, 128, 8, 4, 3)), (32, at_32), (64, at_64),
+               (4096, at_4096), (None, WHOLE)]
+    table, _ = kernel_wna16.adopted_table(r, current=current)
+    assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (32, at_32), (64, at_64), (128, WHOLE),
+                     (None, PASSES)]

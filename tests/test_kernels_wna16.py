@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quantship.kernels import wna16
 from quantship.models.quantized import PackedLinear, QuantLinear, quant_linear, use_cpu_kernels, weight_bytes
@@ -392,9 +393,15 @@ def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(m
     mlp = layers.MLP(hidden, inter)
     mlp.gate_proj, mlp.up_proj = packed(inter, hidden, 1), packed(inter, hidden, 2)
     mlp.down_proj = packed(hidden, inter, 3)
-    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)) * 20
+    mlp.to(DEVICE)
+    x = (torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)) * 20).to(DEVICE)
     with torch.no_grad():
-        separate = mlp(x)  # the plain path: dequantize + F.linear, torch's SiLU
+        # the float64 reference: dequantized weights, torch's SiLU
+        weight = {name: getattr(mlp, name).dequantized_weight(torch.float64) for name in ("gate_proj", "up_proj",
+                                                                                          "down_proj")}
+        wide = x.double()
+        separate = (F.silu(wide @ weight["gate_proj"].t()) * (wide @ weight["up_proj"].t())) @ weight["down_proj"].t()
+        separate = separate.float()
         assert merge_projections(mlp) == 1
         products = []
         real = elementwise.silu_mul
@@ -405,7 +412,11 @@ def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(m
         assert products == []  # made inside the down projection's GEMV
         torch.testing.assert_close(one, separate[:1], rtol=1e-4, atol=1e-5)
         assert wna16.takes_gated(1, x, 4) and not wna16.takes_gated(3, x, 4)  # 3 rows take the swap_x tile
-        torch.testing.assert_close(mlp(x), separate, rtol=1e-4, atol=1e-5)
+        three = mlp(x)
+        if DEVICE == "cpu":
+            torch.testing.assert_close(three, separate, rtol=1e-4, atol=1e-5)
+        else:  # the swap tile's float32 product runs on tensor cores as TF32 there
+            assert ((three - separate).norm() / separate.norm()).item() < 1e-2
         assert products == [(3, inter)]
 
 

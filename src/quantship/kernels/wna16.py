@@ -142,7 +142,7 @@ BLOCKS_BY_M = [
     (16, Blocks("swap_x", 16, 128, 256, 8, 4, 3)),
     (32, Blocks("swap_x", 32, 64, 128, 4, 4, 3)),
     (64, Blocks("swap_dot", 64, 128, 128, 4, 4, 4)),
-    (None, Blocks("dequantize", 0, 64, 64, 1, 4, 1)),
+    (None, Blocks("dequantize", 0, 256, 64, 1, 4, 1)),
 ]
 
 
