@@ -175,7 +175,7 @@ def run(out: Path, shapes: list[str], sweep: bool = False) -> None:
 
 # The runs the section shows, newest first: each shape's table comes from the newest run that has it, with
 # what that run's code lacked against the code now (None: the code now).
-RUNS = {"kernel_fused_moe_v2-lite.json": None,
+RUNS = {"kernel_fused_moe_v2-lite.json": "stop 39's kernels (H100)",
         "kernel_fused_moe.json": "an earlier run of this session, before the slot GEMV's down summed each token's "
                                  "slots in the kernel and before the dequantize-once prefill"}
 
@@ -209,10 +209,12 @@ def render() -> None:
              "for the bf16 blocks (`dequantizes_experts`): at V2-Lite's 2,048 tokens 1.9x faster than the blocks "
              "that dequantize inside each 64-row tile, 0.71x of bf16. Neither decode path reads near the "
              "bandwidth at one token (V3: 176 MB of W4A16 experts in 120 µs, 1.5 TB/s).", "",
-             "These runs predate stop 38's changes, not yet timed on a GPU: the slot GEMV loads both weights "
-             "before x and shares x's tile between gate and up; the blocks load x's tile once per K tile and "
-             "run gate and up in one K loop; the blocks through swap_x's product (`SWAP_BLOCKS`, off) and "
-             "dequantize-once at 128 and 512 tokens are new variants of this script."]
+             "The V2-Lite run (H100, stop 39) has stop 38's kernels: the slot GEMV loading both experts' words "
+             "before x, the blocks sharing x's tile between gate and up in one K loop. The blocks through "
+             "swap_x's product (`SWAP_BLOCKS`) measured 1.3-1.7x slower than the blocks at every token count, so "
+             "they stay off; dequantizing the packed experts once is 4-8x slower than the blocks up to 128 tokens "
+             "and still 1.6x slower at 512 tokens (48 slots per expert), which keeps the 64-slot threshold; at "
+             "128 tokens (a short prompt's prefill) the packed blocks take 0.56x of bf16's time."]
     update_section("kernel_fused_moe", "\n".join(text))
 
 

@@ -60,3 +60,11 @@ def test_a_sweep_of_some_rows_keeps_the_tables_classes_it_did_not_sweep():
     table, _ = kernel_wna16.adopted_table(r, current=current)
     assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (32, at_32), (64, at_64), (128, WHOLE),
                      (None, PASSES)]
+
+
+def test_a_sweep_past_one_row_keeps_both_one_row_gemvs():
+    """A sweep of 128 rows and up leaves the one-row class alone: the bf16x2 GEMV and the float32 GEMV for
+    what its PTX cannot take (both limit 1) stay, in order."""
+    r = ranking(**{"128": [(WHOLE, 1.0)], "2048": [(WHOLE, 1.0)]})
+    table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, PASSES)])
+    assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, WHOLE)]

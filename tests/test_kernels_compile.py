@@ -125,8 +125,7 @@ for kv_heads, dim in ((32, 128), (2, 64)):  # DeepSeek-Coder-6.7B: 32 K/V heads 
     compile(elementwise.kv_write_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
             "kv_ptr": "*bf16", "slots_ptr": "*i64", "stride_kt": "i32", "stride_kh": "i32", "stride_v": "i32",
             "stride_cos": "i32", "width": "i32"},
-            {"KV_HEADS": kv_heads, "HALF": dim // 2, "INTERLEAVED": False, "BLOCK_P": dim // 2,
-             "BLOCK_V": kv_heads * dim})
+            {"KV_HEADS": kv_heads, "HALF": dim // 2, "INTERLEAVED": False, "BLOCK_P": dim // 2, "BLOCK_D": dim})
 compile(elementwise.silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32",
         "stride_g": "i32", "stride_u": "i32"}, {"BLOCK": 1024})
 for rank, half in ((512, 32), (128, 8)):  # DeepSeek-V2/V3's latent and rope key, the bundled model's

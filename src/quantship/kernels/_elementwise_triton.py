@@ -129,20 +129,21 @@ def latent_write_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, strid
 @triton.jit
 def kv_write_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, stride_kt, stride_kh, stride_v, stride_cos,
                     width, KV_HEADS: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One token per program: each K/V head's key rotated and its values, written into the token's cache
-    slot (keys of every head, then values): the key's rotary embedding, the concatenation and the cache
-    write in one."""
+                    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token and one K/V head per program: the head's key rotated and its values, written into the
+    token's cache slot (keys of every head, then values): the key's rotary embedding, the concatenation and
+    the cache write in one. A program per head, not per token: at batch 1 one program walking all heads
+    took 7 µs a layer on an H100, latency bound."""
     t = tl.program_id(0)
+    h = tl.program_id(1)
     entry = kv_ptr + tl.load(slots_ptr + t).to(tl.int64) * width
     p = tl.arange(0, BLOCK_P)
     p_ok = p < HALF
-    for h in tl.static_range(KV_HEADS):
-        first, second = _rotated(k_ptr + t * stride_kt + h * stride_kh, cos_ptr + t * stride_cos,
-                                 sin_ptr + t * stride_cos, HALF, p, p_ok, INTERLEAVED)
-        tl.store(entry + h * 2 * HALF + p, first.to(kv_ptr.dtype.element_ty), mask=p_ok)
-        tl.store(entry + h * 2 * HALF + HALF + p, second.to(kv_ptr.dtype.element_ty), mask=p_ok)
-    c = tl.arange(0, BLOCK_V)
-    c_ok = c < KV_HEADS * 2 * HALF
-    values = tl.load(v_ptr + t * stride_v + c, mask=c_ok, other=0.0)
-    tl.store(entry + KV_HEADS * 2 * HALF + c, values.to(kv_ptr.dtype.element_ty), mask=c_ok)
+    first, second = _rotated(k_ptr + t * stride_kt + h * stride_kh, cos_ptr + t * stride_cos,
+                             sin_ptr + t * stride_cos, HALF, p, p_ok, INTERLEAVED)
+    tl.store(entry + h * 2 * HALF + p, first.to(kv_ptr.dtype.element_ty), mask=p_ok)
+    tl.store(entry + h * 2 * HALF + HALF + p, second.to(kv_ptr.dtype.element_ty), mask=p_ok)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < 2 * HALF
+    values = tl.load(v_ptr + t * stride_v + h * 2 * HALF + d, mask=d_ok, other=0.0)
+    tl.store(entry + (KV_HEADS + h) * 2 * HALF + d, values.to(kv_ptr.dtype.element_ty), mask=d_ok)

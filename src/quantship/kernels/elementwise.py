@@ -166,7 +166,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     from quantship.kernels._elementwise_triton import kv_write_kernel
 
     n, heads, dim = k.shape
-    kv_write_kernel[(n,)](k, v, cos, sin, kv, slots, k.stride(0), k.stride(1), v.stride(0), cos.stride(0),
-                          kv.shape[1], KV_HEADS=heads, HALF=dim // 2, INTERLEAVED=interleaved,
-                          BLOCK_P=triton.next_power_of_2(dim // 2), BLOCK_V=triton.next_power_of_2(heads * dim),
-                          num_warps=4)
+    kv_write_kernel[(n, heads)](k, v, cos, sin, kv, slots, k.stride(0), k.stride(1), v.stride(0), cos.stride(0),
+                                kv.shape[1], KV_HEADS=heads, HALF=dim // 2, INTERLEAVED=interleaved,
+                                BLOCK_P=triton.next_power_of_2(dim // 2), BLOCK_D=triton.next_power_of_2(dim),
+                                num_warps=1)

@@ -82,9 +82,10 @@ DECODE_BLOCK_N = 64  # packed experts in decode blocks; measured on the H200 at 
 
 # Packed experts' decode blocks (16 rows) through swap_x's product (the weight the left operand of a wgmma, its
 # words loaded 16 bytes at a time, x's tile one load) instead of packed_tile_dot's (x the left operand, the
-# weight's words loaded one at a time as mma.sync's right operand). Off until kernel_fused_moe.py has timed
-# both on a GPU: the V2-Lite prefill's routed experts (about 12 slots each) run these blocks, 1.0x the bf16
-# blocks' time on the H200 for a quarter of the bytes.
+# weight's words loaded one at a time as mma.sync's right operand). Off: kernel_fused_moe.py timed them
+# 1.3-1.7x slower than packed_tile_dot's blocks at every V2-Lite token count on the H100 (stop 39), where
+# the blocks take 0.5-0.6x of bf16's time from 4 to 128 tokens. Kept, tested, for a chip that ranks them
+# otherwise (`quick --moe-swap` times the engine with them).
 SWAP_BLOCKS = False
 
 
