@@ -232,7 +232,7 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
         name: str = "kernel_wna16") -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
-    rows, errors, sweeps, shape_sweeps = [], {}, {}, []
+    rows, errors, sweeps, shape_sweeps = [], {}, {}, {}
     for label, (n, k) in SHAPES.items():
         if kinds and label not in SWEEP_SHAPES:  # a partial sweep times the layer's four calls only
             continue
@@ -240,22 +240,29 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
         rows += shape_rows
         errors[label] = extra["errors"]
         if label in SWEEP_SHAPES and sweep:  # a candidate ranks only if it ran on every swept shape
-            shape_sweeps.append(extra["sweep"])
+            shape_sweeps[label] = extra["sweep"]
         for m, times in extra["sweep"].items():
             for blocks, t in times.items():
                 sweeps.setdefault(m, {}).setdefault(blocks, 0.0)
                 sweeps[m][blocks] += t
     ranking = {}
     for m, times in sweeps.items():
-        everywhere = {b for b in times if all(b in per_shape.get(m, {}) for per_shape in shape_sweeps)}
+        everywhere = {b for b in times if all(b in per_shape.get(m, {}) for per_shape in shape_sweeps.values())}
         ranked = sorted(((b, t) for b, t in times.items() if b in everywhere), key=lambda kv: kv[1])
         ranking[m] = [(asdict(b), t) for b, t in ranked]
         print(f"M={m}: best tiles (summed over shapes): {[(repr(b), t) for b, t in ranked[:3]]}")
+        if ranked:
+            each = sum(min(per_shape[m].values()) for per_shape in shape_sweeps.values() if per_shape.get(m))
+            print(f"M={m}: each shape's own fastest tiles would take {each * 1e6:.1f} µs against "
+                  f"{ranked[0][1] * 1e6:.1f} for one tile shape (a table per shape's worth)")
+    by_shape = {label: {m: [(asdict(b), t) for b, t in sorted(times.items(), key=lambda kv: kv[1])[:5]]
+                        for m, times in per_shape.items()} for label, per_shape in shape_sweeps.items()}
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
-              "errors": errors, "rows": rows, "ranking": ranking, "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
+              "errors": errors, "rows": rows, "ranking": ranking, "by_shape": by_shape,
+              "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

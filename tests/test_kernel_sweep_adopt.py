@@ -68,3 +68,29 @@ def test_a_sweep_past_one_row_keeps_both_one_row_gemvs():
     r = ranking(**{"128": [(WHOLE, 1.0)], "2048": [(WHOLE, 1.0)]})
     table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, PASSES)])
     assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, WHOLE)]
+
+
+def test_a_sweep_ranks_tiles_that_ran_on_every_shape_and_keeps_each_shapes_fastest(monkeypatch, tmp_path):
+    """run --sweep with the GPU's timings made up: the ranking sums each candidate over the layer's four
+    calls and leaves out one that did not run on every shape; by_shape keeps each shape's own fastest,
+    which the adopt step does not read (a table per shape's worth, for a reader of the result)."""
+    import json
+
+    import torch
+
+    fast_everywhere, fast_on_qo = SWAP, Blocks("swap_x", 16, 64, 128, 4, 4, 3)
+
+    def time_shape(label, n, k, bandwidth, sweep, kinds, ms):
+        times = {fast_everywhere: 2.0}
+        if label == "q/o_proj 4096x4096":
+            times[fast_on_qo] = 1.0  # ran on this shape only (say, the others did not compile)
+        return [{"shape": label, "m": 16}], {"errors": {}, "sweep": {16: times}}
+
+    monkeypatch.setattr(kernel_wna16, "time_shape", time_shape)
+    monkeypatch.setattr(kernel_wna16, "copy_bandwidth", lambda: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "made up")
+    kernel_wna16.run(tmp_path, sweep=True, kinds=("swap_x",), ms=(16,), name="sweep")
+    r = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(Blocks(**b), t) for b, t in r["ranking"]["16"]] == [(fast_everywhere, 8.0)]
+    assert Blocks(**r["by_shape"]["q/o_proj 4096x4096"]["16"][0][0]) == fast_on_qo
+    assert Blocks(**r["by_shape"]["down 4096x11008"]["16"][0][0]) == fast_everywhere
