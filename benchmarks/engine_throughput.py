@@ -824,11 +824,6 @@ def main() -> None:
     q.add_argument("--slot-gemv-share", type=float, default=None,
                    help="packed experts run a GEMV row per slot up to this many slots per expert "
                         "(kernels.fused_moe.SLOT_GEMV_MAX_SHARE; 0: always the blocks)")
-    q.add_argument("--moe-swap", action="store_true",
-                   help="packed experts' decode blocks through swap_x's product (kernels.fused_moe.SWAP_BLOCKS)")
-    q.add_argument("--dequantize-chunk-mb", type=int, default=None,
-                   help="dequantize + cuBLAS in passes of this many MB of dense columns (the table's dequantize "
-                        "entries' Blocks.chunk_bytes; 0: the whole weight)")
     q.add_argument("--no-fold-shared", action="store_true",
                    help="keep MoE layers' shared experts a dense MLP of their own (models.deepseek.MoE.fold_shared)")
     q.add_argument("--ablate", action="store_true",
@@ -846,15 +841,6 @@ def main() -> None:
             fused_moe.DECODE_SPLIT_K = args.moe_split_k
         if args.slot_gemv_share is not None:
             fused_moe.SLOT_GEMV_MAX_SHARE = args.slot_gemv_share
-        if args.moe_swap:
-            fused_moe.SWAP_BLOCKS = True
-        if args.dequantize_chunk_mb is not None:
-            from dataclasses import replace
-
-            from quantship.kernels import wna16
-
-            wna16.BLOCKS_BY_M = [(limit, replace(b, chunk_bytes=args.dequantize_chunk_mb << 20) if b.kind == "dequantize"
-                                  else b) for limit, b in wna16.BLOCKS_BY_M]
         if args.no_fold_shared:
             from quantship.models.deepseek import MoE
 

@@ -80,9 +80,8 @@ def time_shape(shape: str) -> list[dict]:
         decode = fused_moe.block_m_for(n * top_k, num) <= 16
         variants = {"bf16 blocks": (dense, {})}
         if decode:
-            variants |= {"W4A16 blocks": (packed, {"split_k": 1, "slot_gemv": False, "swap": False}),
-                         "W4A16 blocks, K split 4": (packed, {"split_k": 4, "slot_gemv": False, "swap": False}),
-                         "W4A16 swapped blocks": (packed, {"split_k": 1, "slot_gemv": False, "swap": True}),
+            variants |= {"W4A16 blocks": (packed, {"split_k": 1, "slot_gemv": False}),
+                         "W4A16 blocks, K split 4": (packed, {"split_k": 4, "slot_gemv": False}),
                          "W4A16 GEMV per slot": (packed, {"slot_gemv": True}),
                          "W4A16 dequantized once, bf16 blocks": (packed, {"slot_gemv": False, "dequantize": True})}
         else:
@@ -211,8 +210,9 @@ def render() -> None:
              "bandwidth at one token (V3: 176 MB of W4A16 experts in 120 µs, 1.5 TB/s).", "",
              "The V2-Lite run (H100, stop 39) has stop 38's kernels: the slot GEMV loading both experts' words "
              "before x, the blocks sharing x's tile between gate and up in one K loop. The blocks through "
-             "swap_x's product (`SWAP_BLOCKS`) measured 1.3-1.7x slower than the blocks at every token count, so "
-             "they stay off; dequantizing the packed experts once is 4-8x slower than the blocks up to 128 tokens "
+             "swap_x's product (\"W4A16 swapped blocks\") measured 1.3-1.7x slower than the blocks at every "
+             "token count, so that variant is gone; dequantizing the packed experts once is 4-8x slower than the "
+             "blocks up to 128 tokens "
              "and still 1.6x slower at 512 tokens (48 slots per expert), which keeps the 64-slot threshold; at "
              "128 tokens (a short prompt's prefill) the packed blocks take 0.56x of bf16's time."]
     update_section("kernel_fused_moe", "\n".join(text))

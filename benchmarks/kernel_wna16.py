@@ -35,7 +35,6 @@ SHAPES = {"q/o_proj 4096x4096": (4096, 4096), "gate/up 11008x4096": (11008, 4096
           "down 4096x11008": (4096, 11008), "fused qkv 12288x4096": (12288, 4096),
           "gate+up 22016x4096": (22016, 4096)}  # (out N, in K); the engine merges q/k/v and gate/up
 MS = [1, 4, 8, 16, 32, 64, 256, 2048]
-CHUNK_MBS = (8, 16, 32)  # dense bytes per pass of dequantize + cuBLAS, timed beside the table's whole-weight pass
 # The four calls one 6.7B decoder layer makes in the engine: a candidate's summed time is the layer's
 # Linear time, so the sweep ranks tiles by what a decode step spends, across N from 4096 to 22016 (the
 # split of K that fills the GPU at N = 4096 adds atomics and a float32 output where N alone would).
@@ -136,10 +135,9 @@ def candidates(m: int):
                       for split in (0, 8)] + [Blocks("swap_x", 16, bn, 128, split, 4, 3) for bn in (64, 128)
                                               for split in (0, 8)]
     if m > 64:
-        # dequantize + cuBLAS whole or in passes of output columns that stay in the L2 (chunk_bytes), and the
-        # 64-row tensor-core tiles over several row blocks (a 128-token prompt's dense calls)
-        return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1, chunk_bytes=mb << 20)
-                      for bn, bk in ((64, 64), (128, 128), (256, 64)) for mb in (0, *CHUNK_MBS)] + [
+        # dequantize + cuBLAS, and the 64-row tensor-core tiles over several row blocks (a 128-token prompt's
+        # dense calls)
+        return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
             Blocks(kind, 64, bn, bk, 1, 4, 4 if kind == "swap_dot" else 3) for kind in ("swap_dot", "swap_x")
             for bn in (64, 128) for bk in (128, 256)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -196,11 +194,6 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
             t = graph_time(lambda i: wna16.matmul(x, *weights[i], bits, k, GROUP), len(weights))
             row[f"{name}_s"] = t
             row[f"{name}_gbs"] = (nbytes(*weights[0]) + io) / t / 1e9
-        if wna16.choose_blocks(m).kind == "dequantize":  # the same in passes of output columns that fit the L2
-            for mb in CHUNK_MBS:
-                blocks = replace(wna16.choose_blocks(m), chunk_bytes=mb << 20)
-                t = graph_time(lambda i: wna16.matmul(x, *w4[i], 4, k, GROUP, blocks=blocks), len(w4))
-                row[f"w4a16_chunk{mb}mb_s"] = t
         if tiny[0] is not None and m <= 256:
             t = graph_time(lambda i: torch._weight_int4pack_mm(x, tiny[i][0], GROUP, tiny[i][1]), len(tiny))
             row["tinygemm_s"] = t
@@ -274,14 +267,16 @@ REMOVED_KINDS = {"dot"}  # swept once and slower everywhere: gone from kernels.w
 
 
 def runnable_ranking(r: dict) -> dict:
-    """A --sweep run's candidates per M, fastest first, as Blocks the code can run: a swap tile that had
-    "pairs" on (int4 values made as bf16 pairs, measured slower and removed) and removed kernels are left
-    out; other kernels ignored that field."""
+    """A --sweep run's candidates per M, fastest first, as Blocks the code can run: removed kernels and
+    removed variants are left out: a swap tile with "pairs" on (int4 values made as bf16 pairs; other
+    kernels ignored that field) and dequantize with "chunk_bytes" (passes of output columns through one
+    L2-sized buffer: two H100 sweeps found them within 2-3% of the whole weight)."""
     from quantship.kernels.wna16 import Blocks
 
     fields = {f.name for f in dataclasses.fields(Blocks)}
     return {int(m): [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
-                     if not (b.get("pairs") and b["kind"] == "swap_dot") and b["kind"] not in REMOVED_KINDS]
+                     if not (b.get("pairs") and b["kind"] == "swap_dot") and not b.get("chunk_bytes")
+                     and b["kind"] not in REMOVED_KINDS]
             for m, items in r["ranking"].items()}
 
 
@@ -354,9 +349,9 @@ PARTIAL_SWEEPS = {
     "kernel_wna16_swap_x": "`swap_x` at 4 and 32 rows, its 16-row tiles already the table's",
     "kernel_wna16_stop38": "dequantize + cuBLAS (whole, and in passes of 8, 16 or 32 MB of output columns through "
                            "one reused buffer) and `swap_x`, after the GEMVs loaded x's K tile once (stop 38; the "
-                           "one-row column is the table's bf16x2 GEMV). The passes stay within 2-3% of dequantizing "
-                           "the whole weight either way (32 MB) or lose (8 MB): the table keeps whole-weight "
-                           "dequantization, now in 256x64 tiles",
+                           "one-row column is the table's bf16x2 GEMV). The passes stayed within 2-3% of "
+                           "dequantizing the whole weight either way (32 MB) or lost (8 MB), and are gone; the "
+                           "table dequantizes whole, now in 256x64 tiles",
     "kernel_wna16_m128": "the prefill rows with `swap_x` tiles of 128 rows of x (a wgmma's N of 128, each weight tile "
                          "dequantized once per 128 rows): 1.3x slower than dequantize + cuBLAS at 128 rows, 1.7x at "
                          "256 and 2.5x at 2,048, so they are no candidates any more",
@@ -403,11 +398,8 @@ def render() -> None:
         tiny_speed = f"{row['bf16_s'] / row['tinygemm_s']:.2f}x" if "tinygemm_s" in row else "-"
         rows.append([row["shape"], row["m"], f"{row['bf16_gbs']:.0f}", f"{row['w4a16_gbs']:.0f}", tiny,
                      f"{row['w8a16_gbs']:.0f}", f"{row['bf16_s'] / row['w4a16_s']:.2f}x", tiny_speed])
-    chunked = [mb for mb in CHUNK_MBS if any(f"w4a16_chunk{mb}mb_s" in row for row in r["rows"])]
     prefill = [[row["shape"], row["m"], f"{row['bf16_s'] * 1e6:.0f}", f"{row['w4a16_s'] * 1e6:.0f}",
-                f"{row['bf16_s'] / row['w4a16_s']:.2f}x",
-                *(f"{row[f'w4a16_chunk{mb}mb_s'] * 1e6:.0f}" for mb in chunked)]
-               for row in r["rows"] if row["m"] > 64 and (row["m"] == 2048 or chunked)]
+                f"{row['bf16_s'] / row['w4a16_s']:.2f}x"] for row in r["rows"] if row["m"] == 2048]
     parts = ["## W4A16 / W8A16 kernel (Triton, dequantize in registers)", "",
              f"**{r['device']}**, group {r['group_size']}, symmetric; GB/s of the bytes each call must read (packed "
              "weight + scales + activations). CUDA-graph replays over weight copies that leave the L2 cold. "
@@ -442,19 +434,15 @@ def render() -> None:
              "dequantization's instructions and latency in Triton's layouts; a Marlin-class kernel (weights "
              "pre-shuffled into the tensor-core fragment order) is the known next step.", "",
              "Prefill-sized calls, microseconds: W4A16 (dequantize once in Triton, then cuBLAS) against bf16 "
-             "cuBLAS" + (", and the same in passes of output columns whose dense bytes fit the L2 (one buffer "
-                         "reused, so the dense weight is never written back: `Blocks.chunk_bytes`)" if chunked else "")
-             + ".", "",
-             table(["Linear", "M", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed",
-                    *(f"W4A16 in {mb} MB passes µs" for mb in chunked)], prefill)]
+             "cuBLAS.", "",
+             table(["Linear", "M", "bf16 µs", "W4A16 µs", "W4A16 / bf16 speed"], prefill)]
     update_section("kernel_wna16", "\n".join(parts))
 
 
 def _source(b) -> str:
     """A Blocks as kernels/wna16.py writes it."""
     text = f'Blocks("{b.kind}", {b.block_m}, {b.block_n}, {b.block_k}, {b.split_k}, {b.num_warps}, {b.num_stages}'
-    text += ", finish=False" if not b.finish else ""
-    return text + (f", chunk_bytes={b.chunk_bytes}" if b.chunk_bytes else "") + ")"
+    return text + (", finish=False" if not b.finish else "") + ")"
 
 
 def adopted_table(r: dict, current: list | None = None):

@@ -17,7 +17,7 @@ GEMV = Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)
 FLOAT_GEMV = Blocks("gemv", 1, 256, 64, -1, 2, 1)
 SWAP = Blocks("swap_x", 16, 128, 256, 8, 4, 3)
 WHOLE = Blocks("dequantize", 0, 64, 64, 1, 4, 1)
-PASSES = Blocks("dequantize", 0, 128, 128, 1, 4, 1, chunk_bytes=16 << 20)
+WIDE = Blocks("dequantize", 0, 128, 128, 1, 4, 1)
 
 
 def ranking(**by_m):
@@ -25,48 +25,46 @@ def ranking(**by_m):
             "sweep_shapes": []}
 
 
-def test_dequantize_in_passes_is_adopted_by_m_and_written_as_source(monkeypatch):
-    """A sweep where 256 rows dequantize whole fastest and 2,048 in passes: 65-256 rows get their own
-    dequantize class, the rest the passes; the source adopt writes says chunk_bytes, and the planner's view
-    of the table (where dequantizing starts, what one call holds) follows it."""
+def test_dequantize_tiles_are_adopted_by_m_and_written_as_source(monkeypatch):
+    """A sweep where 256 rows dequantize fastest in one tile shape and 2,048 in another: 65-256 rows get their
+    own dequantize class; the source adopt writes is the code's own, and dequantizing starts past the tiles."""
     r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(SWAP, 1.0)],
-                   "256": [(WHOLE, 1.0), (PASSES, 1.1)], "2048": [(PASSES, 1.0), (WHOLE, 1.2)]})
+                   "256": [(WHOLE, 1.0), (WIDE, 1.1)], "2048": [(WIDE, 1.0), (WHOLE, 1.2)]})
     table, tinygemm_rows = kernel_wna16.adopted_table(r, current=[(1, GEMV), (16, SWAP), (None, WHOLE)])
-    assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (256, WHOLE), (None, PASSES)] and tinygemm_rows == 0
-    assert kernel_wna16._source(PASSES) == 'Blocks("dequantize", 0, 128, 128, 1, 4, 1, chunk_bytes=16777216)'
-    assert eval(kernel_wna16._source(PASSES), {"Blocks": Blocks}) == PASSES
+    assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (256, WHOLE), (None, WIDE)] and tinygemm_rows == 0
+    assert kernel_wna16._source(WIDE) == 'Blocks("dequantize", 0, 128, 128, 1, 4, 1)'
+    assert eval(kernel_wna16._source(WIDE), {"Blocks": Blocks}) == WIDE
     monkeypatch.setattr(wna16, "BLOCKS_BY_M", table)
     assert wna16.dequantizes_from() == 17
-    assert wna16.choose_blocks(300) == PASSES and wna16.choose_blocks(200) == WHOLE
-    assert wna16.dequantized_bytes(22016, 4096, 2) == 22016 * 4096 * 2  # the whole-weight class holds it all
+    assert wna16.choose_blocks(300) == WIDE and wna16.choose_blocks(200) == WHOLE
 
 
 def test_the_same_dequantize_tiles_at_every_swept_m_are_one_class():
     r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "64": [(SWAP, 1.0)],
-                   "256": [(PASSES, 1.0)], "2048": [(PASSES, 1.0)]})
+                   "256": [(WIDE, 1.0)], "2048": [(WIDE, 1.0)]})
     table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (64, SWAP), (None, WHOLE)])
-    assert table[-2:] == [(64, SWAP), (None, PASSES)]
+    assert table[-2:] == [(64, SWAP), (None, WIDE)]
 
 
 def test_a_sweep_of_some_rows_keeps_the_tables_classes_it_did_not_sweep():
     """A sweep run with --ms 1 16 128 2048 replaces those classes' tiles and keeps the table's 32- and
     64-row classes (it timed nothing there); a class past the last swept M goes to dequantize + cuBLAS."""
     r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(SWAP, 1.0)],
-                   "128": [(WHOLE, 1.0)], "2048": [(PASSES, 1.0), (WHOLE, 1.1)]})
+                   "128": [(WHOLE, 1.0)], "2048": [(WIDE, 1.0), (WHOLE, 1.1)]})
     at_32, at_64, at_4096 = (Blocks("swap_x", 32, 64, 128, 4, 4, 3), Blocks("swap_dot", 64, 128, 128, 4, 4, 4),
                              Blocks("swap_x", 64, 128, 128, 4, 4, 3))
     current = [(1, GEMV), (16, Blocks("swap_x", 16, 64, 128, 8, 4, 3)), (32, at_32), (64, at_64),
                (4096, at_4096), (None, WHOLE)]
     table, _ = kernel_wna16.adopted_table(r, current=current)
     assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (32, at_32), (64, at_64), (128, WHOLE),
-                     (None, PASSES)]
+                     (None, WIDE)]
 
 
 def test_a_sweep_past_one_row_keeps_both_one_row_gemvs():
     """A sweep of 128 rows and up leaves the one-row class alone: the bf16x2 GEMV and the float32 GEMV for
     what its PTX cannot take (both limit 1) stay, in order."""
     r = ranking(**{"128": [(WHOLE, 1.0)], "2048": [(WHOLE, 1.0)]})
-    table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, PASSES)])
+    table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, WIDE)])
     assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, WHOLE)]
 
 

@@ -102,8 +102,6 @@ def test_fused_moe_equals_the_expert_loop(n, experts, top_k, hidden, inter, quan
         # prefill-sized steps of packed experts: dequantized once (the default) and in-kernel (64-row blocks)
         prefill = gate.bits and fused_moe.dequantizes_experts(n * top_k, experts, gate.bits)
         variants = [{"dequantize": dequantize} for dequantize in ((None, False) if prefill else (None,))]
-        if gate.bits and not prefill:  # decode blocks through swap_x's product (SWAP_BLOCKS), not the slot GEMV
-            variants.append({"slot_gemv": False, "swap": True})
         for options in variants:
             out = fused_moe.fused_moe(x.to(dtype), *cast, weights, indices, **options)
             assert out.dtype == dtype and out.shape == x.shape
@@ -140,7 +138,7 @@ def test_packed_experts_dequantized_in_chunks_equal_the_loop(monkeypatch, quant)
 def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hidden, inter, quant, split):
     """Decode blocks with K split over programs (gate/up's SiLU product and down's sums finished by the last
     split of each tile through the float32 workspace) equal the loop and the unsplit kernels, twice in a
-    row (packed experts: the second time through swap_x's product), and leave the workspace clear; every
+    row, and leave the workspace clear; every
     expert of a batch picking the same ones included."""
     g = torch.Generator().manual_seed(hidden + n + split)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
@@ -149,8 +147,8 @@ def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hid
     for chosen in (indices, indices[:1].expand(n, top_k).contiguous()):
         expected = fused_moe.reference(x, gate, up, down, weights, chosen)
         whole = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=1)
-        for swap in (False, True) if quant else (False, False):  # twice in a row either way
-            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split, swap=swap)
+        for _ in range(2):  # the first call must leave the workspace as the second needs it
+            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split)
             # Triton's float32 dot runs in TF32 on the GPU; a split changes only the order of the sums.
             assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
             torch.testing.assert_close(out, whole, rtol=1e-5 if DEVICE == "cpu" else 1e-4, atol=1e-5)

@@ -422,41 +422,28 @@ def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(m
 
 @pytest.mark.parametrize("bits,group,symmetric,n,k", [(4, 32, False, 200, 96), (4, 128, True, 136, 256),
                                                       (8, 64, False, 72, 128)])
-def test_dequantize_then_matmul_in_column_passes_equals_the_reference(bits, group, symmetric, n, k):
-    """Past the tiles' rows, dequantize + cuBLAS; with chunk_bytes, a pass over some output columns at a time
-    through one reused buffer (the last pass narrower), each pass's dequantized columns those of the whole
-    weight, and the product the reference's."""
+def test_dequantize_then_matmul_equals_the_reference(bits, group, symmetric, n, k):
+    """Past the tiles' rows, dequantize + cuBLAS: the transposed dense weight is dequantize's, and the
+    product the reference's."""
     values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n + k)
     packed = wna16.pack(values, bits).to(DEVICE)
     scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
     whole = wna16.dequantize_transposed(packed, scale, zero, bits, k, group, torch.float32)
     torch.testing.assert_close(whole, wna16.dequantize(packed, scale, zero, bits, k, group).t().contiguous())
-    torch.testing.assert_close(wna16.dequantize_transposed(packed, scale, zero, bits, k, group, torch.float32,
-                                                           columns=(24, n - 5)), whole[:, 24:n - 5])
-    expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
-    table = wna16.choose_blocks(x.shape[0])
-    assert table.kind == "dequantize"
-    for chunk in (0, 64 * k * 4, 100 * k * 4):  # whole; 64-column passes; 64 (a whole number of block_n)
-        blocks = replace(table, chunk_bytes=chunk)
-        out = wna16.matmul(x, packed, scale, zero, bits, k, group, blocks=blocks)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert wna16.choose_blocks(x.shape[0]).kind == "dequantize"
+    torch.testing.assert_close(wna16.matmul(x, packed, scale, zero, bits, k, group),
+                               wna16.reference_matmul(x, packed, scale, zero, bits, k, group), rtol=1e-4, atol=1e-4)
 
 
-def test_the_planner_reserves_one_pass_of_dense_columns_where_the_table_dequantizes_in_passes(monkeypatch):
-    """What a dequantize + cuBLAS call holds at once: the whole dense weight, or with chunk_bytes one pass's
-    columns (a whole number of block_n), never more than the weight; the most over the table's dequantize
-    classes, the first of which is where dequantizing starts."""
-    whole = 22016 * 4096 * 2
-    assert wna16.dequantized_bytes(22016, 4096, 2) == whole
+def test_dequantizing_starts_at_the_tables_first_dequantize_class(monkeypatch):
+    """Where the capacity planner starts reserving a dense copy: past the tiles, also when a sweep gives
+    65-256 rows dequantize tiles of their own."""
+    assert wna16.dequantizes_from() == 65
     limit, last = wna16.BLOCKS_BY_M[-1]
-    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [*wna16.BLOCKS_BY_M[:-1], (limit, replace(last, chunk_bytes=16 << 20))])
-    width = (16 << 20) // (4096 * 2) // last.block_n * last.block_n
-    assert wna16.dequantized_bytes(22016, 4096, 2) == width * 4096 * 2 <= 16 << 20
-    assert wna16.dequantized_bytes(64, 4096, 2) == 64 * 4096 * 2  # a narrow weight: itself
-    # a sweep that gives 65-256 rows dequantize tiles of their own, whole: that class counts for both
-    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [*wna16.BLOCKS_BY_M[:-1], (256, last), wna16.BLOCKS_BY_M[-1]])
-    assert wna16.dequantizes_from() == 65 and wna16.dequantized_bytes(22016, 4096, 2) == whole
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [*wna16.BLOCKS_BY_M[:-1], (256, replace(last, block_n=64)),
+                                               (limit, last)])
+    assert wna16.dequantizes_from() == 65 and wna16.choose_blocks(300) == last
 
 
 @triton.jit

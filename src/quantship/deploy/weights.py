@@ -189,7 +189,6 @@ class _LayerBytes(NamedTuple):
 
 
 def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dtype) -> _LayerBytes:
-    from quantship.kernels import wna16
     from quantship.kernels.fused_moe import dequantize_bytes
     from quantship.models.causal_lm import build_layer
     from quantship.models.merged import merge_projections
@@ -210,9 +209,7 @@ def _layer_bytes(config: ModelConfig, index: int, specs: tuple, dtype: torch.dty
     experts = sum(weight_bytes(m) for n, m in layer.named_modules() if _routed(n) and n.count(".") == 2)
     held = weight_bytes(layer)
     merge_projections(layer)  # as the engine runs it: a merged Linear dequantizes whole
-    largest = max((wna16.dequantized_bytes(m.out_features, m.in_features, dtype.itemsize)
-                   if isinstance(m, PackedLinear) else m.out_features * m.in_features * dtype.itemsize
-                   for n, m in layer.named_modules()
+    largest = max((m.out_features * m.in_features * dtype.itemsize for n, m in layer.named_modules()
                    if isinstance(m, (PackedLinear, QuantLinear)) and not _routed(n)), default=0)
     chunk = router = 0
     mlp = layer.mlp

@@ -15,7 +15,6 @@ from quantship.kernels._wna16_triton import (
     gemv_tile,
     gemv_x,
     packed_tile_dot,
-    swap_tile_dot,
 )
 
 
@@ -45,29 +44,23 @@ def _packed_tile(w_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, BITS
             offset += tl.load(z_ptr + meta, mask=ok, other=0).to(tl.float32)
         tile = (q - offset) * tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
     else:
-        offset = _tile_offset(z_ptr, k0 // group_size, offs_n, N, N, HAS_ZERO, BITS)
+        offset = _tile_offset(z_ptr, k0 // group_size, offs_n, N, HAS_ZERO, BITS)
         scale = tl.load(s_ptr + (k0 // group_size) * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         tile = (q - offset[None, :]) * scale[None, :]
     return tile
 
 
 @triton.jit
-def _block_x(a_rows, a_ok, k0, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             SWAP: tl.constexpr):
+def _block_x(a_rows, a_ok, k0, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """x's K tile of a block's rows (`a_rows`: a pointer to each row's start, `a_ok` its mask) as the block's
-    product takes it (_block_step): packed experts in decode blocks [R, BM, P] (SWAP) or [BM, R, P] (input
-    k0 + r*P + i of each row, sliced per value position there), else [BM, BK]. SWAP, here and in the
-    helpers below, is set by fused_moe only for packed experts in decode blocks."""
+    product takes it (_block_step): packed experts in decode blocks [BM, R, P] (input k0 + r*P + i of each
+    row, sliced per value position there), else [BM, BK]."""
     if BITS != 0 and BLOCK_M <= 16:
         PER_WORD: tl.constexpr = 32 // BITS
         r = tl.arange(0, BLOCK_K // PER_WORD)
         i = tl.arange(0, PER_WORD)
-        if SWAP:
-            k = k0 + r[:, None, None] * PER_WORD + i[None, None, :]
-            x = tl.load(a_rows[None, :, None] + k, mask=a_ok[None, :, None] & (k < K), other=0.0)
-        else:
-            k = k0 + r[None, :, None] * PER_WORD + i[None, None, :]
-            x = tl.load(a_rows[:, None, None] + k, mask=a_ok[:, None, None] & (k < K), other=0.0)
+        k = k0 + r[None, :, None] * PER_WORD + i[None, None, :]
+        x = tl.load(a_rows[:, None, None] + k, mask=a_ok[:, None, None] & (k < K), other=0.0)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k[None, :] < K), other=0.0)
@@ -77,12 +70,13 @@ def _block_x(a_rows, a_ok, k0, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 @triton.jit
 def _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_size, BITS: tl.constexpr,
                 HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                KN: tl.constexpr, SWAP: tl.constexpr):
+                KN: tl.constexpr):
     """acc plus one K tile of one expert's product with x's tile (_block_x). BITS 0: dense [E, N, K] (KN:
     [E, K, N]). BITS 4/8: packed [E, ceil(K/P), N] int32 with scales [E, G, N] (and int8 zero points): decode
-    blocks through the plain W4A16/W8A16 kernels' tile products (packed_tile_dot; SWAP: swap_x's,
-    swap_tile_dot, acc then [BN, BM]), prefill blocks through whole dequantized tiles (measured faster
-    for 64 rows). Static branches: the packed arithmetic is not even compiled for dense experts."""
+    blocks through the plain W4A16/W8A16 kernels' tile products (packed_tile_dot; the dense swap tile's
+    product, the weight as the left operand, measured 1.3-1.7x slower here on an H100 and went), prefill
+    blocks through whole dequantized tiles (measured faster for 64 rows). Static branches: the packed
+    arithmetic is not even compiled for dense experts."""
     if BITS == 0:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         acc += tl.dot(x, _dense_tile(w_ptr, expert, offs_k, offs_n, K, N, KN).to(x.dtype), out_dtype=tl.float32)
@@ -92,11 +86,7 @@ def _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_siz
         w_ptr += expert * tl.cdiv(K, PER_WORD) * N
         s_ptr += expert * metas
         z_ptr += expert * metas
-        if SWAP:
-            rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-            acc += swap_tile_dot(x, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, tl.cdiv(K, PER_WORD), N, group_size, BITS,
-                                 HAS_ZERO, SPANS, False)
-        elif BLOCK_M <= 16:
+        if BLOCK_M <= 16:
             acc += packed_tile_dot(x, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -106,51 +96,33 @@ def _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_siz
 
 
 @triton.jit
-def _block_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    """A block product's accumulator: [BN, BM] where swap_x's product runs (SWAP), else [BM, BN]."""
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _block_out(acc, SWAP: tl.constexpr):
-    """A block product as [BM, BN] (swap_x's transposed once, after the K loop)."""
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
-
-
-@triton.jit
 def _expert_product(a_rows, a_ok, w_ptr, s_ptr, z_ptr, expert, offs_n, K, N, group_size, k_begin, k_end,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr, SWAP: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
     """[BLOCK_M, BN] float32: the rows of `a_rows` times one expert's weight, inputs k_begin .. k_end."""
-    acc = _block_acc(BLOCK_M, BLOCK_N, SWAP)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K, SWAP)
+        x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K)
         acc = _block_step(acc, x, w_ptr, s_ptr, z_ptr, expert, k0, offs_n, K, N, group_size, BITS, HAS_ZERO, SPANS,
-                          BLOCK_M, BLOCK_K, KN, SWAP)
-    return _block_out(acc, SWAP)
+                          BLOCK_M, BLOCK_K, KN)
+    return acc
 
 
 @triton.jit
 def _gate_up_products(a_rows, a_ok, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, expert, offs_n,
                       K, N, group_size, k_begin, k_end, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                       SPANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      KN: tl.constexpr, SWAP: tl.constexpr):
+                      KN: tl.constexpr):
     """_expert_product for an expert's gate and up in one K loop: x's tile is loaded once for both."""
-    gate = _block_acc(BLOCK_M, BLOCK_N, SWAP)
-    up = _block_acc(BLOCK_M, BLOCK_N, SWAP)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K, SWAP)
+        x = _block_x(a_rows, a_ok, k0, K, BITS, BLOCK_M, BLOCK_K)
         gate = _block_step(gate, x, gate_ptr, gate_s_ptr, gate_z_ptr, expert, k0, offs_n, K, N, group_size, BITS,
-                           HAS_ZERO, SPANS, BLOCK_M, BLOCK_K, KN, SWAP)
+                           HAS_ZERO, SPANS, BLOCK_M, BLOCK_K, KN)
         up = _block_step(up, x, up_ptr, up_s_ptr, up_z_ptr, expert, k0, offs_n, K, N, group_size, BITS, HAS_ZERO,
-                         SPANS, BLOCK_M, BLOCK_K, KN, SWAP)
-    return _block_out(gate, SWAP), _block_out(up, SWAP)
+                         SPANS, BLOCK_M, BLOCK_K, KN)
+    return gate, up
 
 
 @triton.jit
@@ -165,7 +137,7 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
                        sorted_ids_ptr, block_expert_ptr, ws_ptr, counter_ptr, num_slots, expert_begin, num_experts, H,
                        I, TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                        SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, KN: tl.constexpr, SWAP: tl.constexpr):
+                       BLOCK_K: tl.constexpr, KN: tl.constexpr):
     """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots. SPLIT: K
     is split over program_id(2); gate and up sums meet in the float32 workspace [2, slots, I] and the
     program adding a tile's last split applies SiLU and the product (wna16's in-kernel finish)."""
@@ -183,7 +155,7 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
         k_begin, k_end = _k_range(H, k_per_split)
         gate, up = _gate_up_products(a_rows, valid, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, e,
                                      offs_n, H, I, group_size, k_begin, k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, KN, SWAP)
+                                     BLOCK_K, KN)
         mask = valid[:, None] & (offs_n[None, :] < I)
         offsets = slot[:, None] * I + offs_n[None, :]
         if SPLIT:
@@ -203,8 +175,7 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
 def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, ws_ptr,
                     counter_ptr, num_slots, expert_begin, num_experts, H, I, group_size, k_per_split,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr,
-                    SWAP: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
     """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots (SPLIT: as gate/up,
     through the workspace [slots, H])."""
     pid_m = tl.program_id(0)
@@ -217,7 +188,7 @@ def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_begin, k_end = _k_range(I, k_per_split)
         acc = _expert_product(act_ptr + row * I, valid, w_ptr, s_ptr, z_ptr, e, offs_n, I, H, group_size, k_begin,
-                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN, SWAP)
+                              k_end, BITS, HAS_ZERO, SPANS, BLOCK_M, BLOCK_N, BLOCK_K, KN)
         acc *= tl.load(routing_ptr + row, mask=valid, other=0.0)[:, None]
         mask = valid[:, None] & (offs_n[None, :] < H)
         offsets = slot[:, None] * H + offs_n[None, :]

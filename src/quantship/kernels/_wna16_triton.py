@@ -12,11 +12,9 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
 - wna16_swap_dot_kernel (33 to 64 rows): y^T = W x^T on tensor cores, one product per value position
   of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
 - wna16_swap_x_kernel (2 to 32 rows): the same products, x read as it is, a K tile ahead.
-- dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once, or a range of its
-  output columns per pass (Blocks.chunk_bytes); cuBLAS does the rest.
+- dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 The fused MoE reuses these pieces: the GEMV's words / x / product steps for its slot GEMV,
-packed_tile_dot (x's tile of rows gathered per expert as the left operand) and swap_tile_dot for its
-blocks.
+packed_tile_dot (x's tile of rows gathered per expert as the left operand) for its decode blocks.
 """
 
 import triton
@@ -35,11 +33,11 @@ def _to_float(q):
 
 
 @triton.jit
-def _tile_values(w_ptr, rows, offs_n, word_rows, N, stride, shifts, BITS: tl.constexpr):
-    """[P, R, BN] float32 unsigned values of word rows `rows` (`stride` words apart; 0 where out of range).
-    The word axis P leads, so each thread keeps a word's values in its registers and loads run along N."""
+def _tile_values(w_ptr, rows, offs_n, word_rows, N, shifts, BITS: tl.constexpr):
+    """[P, R, BN] float32 unsigned values of word rows `rows` (0 where out of range). The word axis
+    P leads, so each thread keeps a word's values in its registers and loads run along N."""
     mask = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
-    words = tl.load(w_ptr + rows[:, None] * stride + offs_n[None, :], mask=mask, other=0)
+    words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
     return _to_float((words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1))
 
 
@@ -55,11 +53,10 @@ def _tile_values_2d(w_ptr, offs_k, offs_n, word_rows, N, BITS: tl.constexpr):
 
 
 @triton.jit
-def _tile_offset(z_ptr, group, offs_n, N, stride, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
-    """What the unsigned stored values are shifted by in this group (zero points `stride` apart per
-    group): 2^(bits-1), plus the zero point."""
+def _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
+    """What the unsigned stored values are shifted by in this group: 2^(bits-1), plus the zero point."""
     if HAS_ZERO:
-        zero = tl.load(z_ptr + group * stride + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+        zero = tl.load(z_ptr + group * N + offs_n, mask=offs_n < N, other=0).to(tl.float32)
         return zero + (1 << (BITS - 1))
     return tl.zeros_like(offs_n).to(tl.float32) + (1 << (BITS - 1))
 
@@ -534,8 +531,7 @@ def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group
                   HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
     """[BN, BM] float32: outputs offs_n of one K tile (word rows `rows`) of y^T = W x^T, x's inputs of the
     tile given as they are ([R, BM, P], _value_slices), on tensor cores: one product per value position,
-    the weight's values the left operand (_exact_values), scaled per word row (SPANS) or per output.
-    Shared by swap_x and the fused MoE's swapped blocks (there x's rows are the block's gathered slots)."""
+    the weight's values the left operand (_exact_values), scaled per word row (SPANS) or per output."""
     PER_WORD: tl.constexpr = 32 // BITS
     w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO,
                                     SPANS, EVEN_K)
@@ -570,28 +566,25 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
 
 
 @triton.jit
-def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_n,
+def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced. The
-    packed rows, scales and zero points are stride_n wide: N of their columns from the pointers on (all of
-    them, or one pass over a wider weight). A third grid axis walks a stack of such weights ([E, K/P, N]
-    packed into [E, K, N]: a layer's experts)."""
+    """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced. A third
+    grid axis walks a stack of such weights ([E, K/P, N] packed into [E, K, N]: a layer's experts)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     stack = tl.program_id(2).to(tl.int64)
-    w_ptr += stack * tl.cdiv(K, PER_WORD) * stride_n
-    s_ptr += stack * tl.cdiv(K, group_size) * stride_n
-    z_ptr += stack * tl.cdiv(K, group_size) * stride_n
+    w_ptr += stack * tl.cdiv(K, PER_WORD) * N
+    s_ptr += stack * tl.cdiv(K, group_size) * N
+    z_ptr += stack * tl.cdiv(K, group_size) * N
     out_ptr += stack * K * N
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     r = tl.arange(0, ROWS)
     i = tl.arange(0, PER_WORD)
-    q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, stride_n, i * BITS,
-                     BITS)  # [P, R, BN]
+    q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, i * BITS, BITS)  # [P, R, BN]
     group = k0 // group_size
-    offset = _tile_offset(z_ptr, group, offs_n, N, stride_n, HAS_ZERO, BITS)
-    scale = tl.load(s_ptr + group * stride_n + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
+    scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     w = (q - offset[None, None, :]) * scale[None, None, :]
     offs_k = k0 + r[None, :, None] * PER_WORD + i[:, None, None]
     mask = (offs_k < K) & (offs_n[None, None, :] < N)

@@ -80,15 +80,6 @@ BLOCK_N, BLOCK_K = 64, 64
 DECODE_BLOCK_N = 64  # packed experts in decode blocks; measured on the H200 at V3's shapes: 32 was 1.3x slower at batch 32
 
 
-# Packed experts' decode blocks (16 rows) through swap_x's product (the weight the left operand of a wgmma, its
-# words loaded 16 bytes at a time, x's tile one load) instead of packed_tile_dot's (x the left operand, the
-# weight's words loaded one at a time as mma.sync's right operand). Off: kernel_fused_moe.py timed them
-# 1.3-1.7x slower than packed_tile_dot's blocks at every V2-Lite token count on the H100 (stop 39), where
-# the blocks take 0.5-0.6x of bf16's time from 4 to 128 tokens. Kept, tested, for a chip that ranks them
-# otherwise (`quick --moe-swap` times the engine with them).
-SWAP_BLOCKS = False
-
-
 def packed_block_k(bits: int, block_m: int, block_k: int = BLOCK_K) -> int:
     """K tile of packed experts in decode blocks: at least 16 word rows, the smallest tensor-core
     product of the per-value-position tiles (128 int4 values)."""
@@ -261,7 +252,6 @@ class _Blocks:
     block_k: int
     split_k: int
     launch: dict
-    swap: bool = False  # decode blocks through swap_x's product (launches of packed experts only)
 
 
 def _gate_up(b: _Blocks, x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, act: torch.Tensor,
@@ -280,7 +270,7 @@ def _gate_up(b: _Blocks, x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights
         x, *_pointers(gate), *_pointers(up), act, b.sorted_ids, b.block_expert, *(workspace or (act, b.sorted_ids)),
         b.slots, experts[0], experts[1], hidden, inter, b.top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
         HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
-        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, SWAP=b.swap and gate.bits != 0 and not kn, **b.launch)
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch)
 
 
 def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Tensor, out: torch.Tensor,
@@ -299,14 +289,13 @@ def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Ten
         act, *_pointers(down), out, b.sorted_ids, b.block_expert, routing, *(workspace or (out, b.sorted_ids)),
         b.slots, experts[0], experts[1], hidden, inter, max(down.group_size, 1), per_split, BITS=down.bits,
         HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
-        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, SWAP=b.swap and down.bits != 0 and not kn, **b.launch)
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch)
 
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               indices: torch.Tensor, block_n: int | None = None, block_k: int = BLOCK_K,
               split_k: int | None = None, slot_gemv: bool | None = None, block_m: int | None = None,
-              launch: dict | None = None, dequantize: bool | None = None, shared: int = 0,
-              swap: bool | None = None) -> torch.Tensor:
+              launch: dict | None = None, dequantize: bool | None = None, shared: int = 0) -> torch.Tensor:
     """The routed experts' output [N, H] in x's dtype, through two Triton kernels. `shared`: the last
     that many experts of the stacks are shared experts folded in, which every token's last `shared`
     slots pick (routing.Routing.shared); the slot GEMV is chosen by all the slots, the blocks' height
@@ -314,8 +303,7 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     `split_k` (decode blocks only; default DECODE_SPLIT_K) splits each block's K over that many
     programs; `slot_gemv` (default: uses_slot_gemv) runs packed experts as a GEMV row per slot instead
     of blocks; `dequantize` (default: dequantizes_experts) dequantizes packed experts once, in chunks,
-    for the bf16 blocks; `swap` (default SWAP_BLOCKS) runs packed experts' decode blocks through the dense
-    swap_x tile's product. `block_m` (default block_m_for) and `launch` (Triton's num_warps / num_stages)
+    for the bf16 blocks. `block_m` (default block_m_for) and `launch` (Triton's num_warps / num_stages)
     are for tile sweeps."""
     n, hidden = x.shape
     num_experts, inter, top_k = gate.weight.shape[0], gate.out_features, indices.shape[1]
@@ -328,8 +316,7 @@ def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Exp
     block_m = block_m or block_m_for(routed_slots, routed_experts)
     sorted_ids, block_expert = align_by_expert(indices, num_experts, block_m)
     b = _Blocks(sorted_ids, block_expert, slots, top_k, block_m, block_n, block_k,
-                (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1, launch or {},
-                (SWAP_BLOCKS if swap is None else swap) and block_m <= 16)
+                (DECODE_SPLIT_K if split_k is None else split_k) if block_m <= 16 else 1, launch or {})
     x = x.contiguous()
     routing = weights.reshape(-1).float().contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)

@@ -125,7 +125,6 @@ class Blocks:
     num_warps: int = 4
     num_stages: int = 3
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
-    chunk_bytes: int = 0  # dequantize: output columns per pass, in bytes of dense weight (dequantized_matmul); 0: all
 
 
 GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
@@ -222,61 +221,23 @@ def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.
 
 
 def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
-                          in_features: int, group_size: int, dtype: torch.dtype, blocks: Blocks | None = None,
-                          columns: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                          in_features: int, group_size: int, dtype: torch.dtype,
+                          blocks: Blocks | None = None) -> torch.Tensor:
     """The weight transposed, [K, N] in `dtype`, through Triton (one pass: read packed, write dense); a
-    stack of them ([E, K/P, N] packed, [E, G, N] scales: a layer's experts) into [E, K, N]. `columns`
-    (start, stop): only those outputs, [K, stop - start]; `out`: a contiguous tensor of that shape to fill."""
+    stack of them ([E, K/P, N] packed, [E, G, N] scales: a layer's experts) into [E, K, N]."""
     import triton
 
     from quantship.kernels._wna16_triton import dequantize_kernel
 
     blocks = blocks or BLOCKS_BY_M[-1][1]
-    start, stop = columns or (0, packed.shape[-1])
-    n, k = stop - start, in_features
+    n, k = packed.shape[-1], in_features
     block_k = _block_k(blocks, k, group_size)
-    if out is None:
-        out = torch.empty(*packed.shape[:-2], k, n, dtype=dtype, device=packed.device)
+    out = torch.empty(*packed.shape[:-2], k, n, dtype=dtype, device=packed.device)
     grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k), packed.shape[0] if packed.dim() == 3 else 1)
-    # the views start at column `start`; rows keep the whole weight's stride
-    dequantize_kernel[grid](packed[..., start:], scale[..., start:], (zero if zero is not None else scale)[..., start:],
-                            out, n, k, group_size, packed.shape[-1], BITS=bits, HAS_ZERO=zero is not None,
-                            BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps)
+    dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, group_size, BITS=bits,
+                            HAS_ZERO=zero is not None, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
+                            num_warps=blocks.num_warps)
     return out
-
-
-def _pass_width(blocks: Blocks, n: int, k: int, itemsize: int) -> int:
-    """Output columns per pass of dequantized_matmul: all n, or a whole number of block_n within chunk_bytes."""
-    if not blocks.chunk_bytes:
-        return n
-    return min(n, max(blocks.block_n, blocks.chunk_bytes // (k * itemsize) // blocks.block_n * blocks.block_n))
-
-
-def dequantized_bytes(out_features: int, in_features: int, itemsize: int) -> int:
-    """Dense bytes a packed Linear's dequantize + cuBLAS call holds at once (the most of the table's dequantize
-    entries): the whole weight, or one pass's columns (what the capacity planner reserves)."""
-    return max(_pass_width(b, out_features, in_features, itemsize) for _, b in BLOCKS_BY_M
-               if b.kind == "dequantize") * in_features * itemsize
-
-
-def dequantized_matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       bits: int, in_features: int, group_size: int, blocks: Blocks) -> torch.Tensor:
-    """x2 [M, K] times the weight through dequantize + cuBLAS. With blocks.chunk_bytes, a pass over that
-    many bytes of output columns at a time, each dequantized into the same buffer: small enough to stay
-    in the L2 cache, it is overwritten there before it is ever written back, so the dense weight costs no
-    memory traffic (whole, it is written out and read back: 4 bytes per weight against int4's half)."""
-    n, k = packed.shape[1], in_features
-    width = _pass_width(blocks, n, k, x2.element_size())
-    if width >= n:
-        return torch.mm(x2, dequantize_transposed(packed, scale, zero, bits, k, group_size, x2.dtype, blocks))
-    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-    buffer = torch.empty(k * width, dtype=x2.dtype, device=x2.device)
-    for start in range(0, n, width):
-        stop = min(n, start + width)
-        w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x2.dtype, blocks, (start, stop),
-                                  buffer[:k * (stop - start)].view(k, stop - start))
-        torch.mm(x2, w, out=y[:, start:stop])  # cuBLAS writes a column range in place (its row stride is n)
-    return y
 
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -372,7 +333,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if gated and blocks.kind not in GEMV_KINDS:
         raise ValueError(f"a gated input takes the GEMV only, not {blocks.kind} (see takes_gated)")
     if blocks.kind == "dequantize":
-        return dequantized_matmul(x2, packed, scale, zero, bits, k, group_size, blocks).reshape(*shape[:-1], n)
+        w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
+        return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
     if blocks.kind in ("swap_dot", "swap_x"):  # 16 word rows at least (a product's depth), so 128 inputs of 4 bits
         block = 16 * (32 // bits)
