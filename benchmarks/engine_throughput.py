@@ -18,7 +18,9 @@ median of REPEATS runs that alternate between the two sides.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -53,7 +55,7 @@ def ready_engine(model, config):
     timed run: a timed run pays for decoding only, as a server's requests do after start-up."""
     from quantship.engine.engine import LLMEngine
 
-    key = (id(model), repr(config))
+    key = (id(model), repr(config), os.environ.get("QUANTSHIP_PDL"))  # graphs are captured with PDL on or off
     if key not in _ENGINES:
         if len(_ENGINES) >= 4:  # each holds a whole KV cache: let the oldest go
             _ENGINES.pop(next(iter(_ENGINES)))
@@ -515,10 +517,27 @@ def ablation(models: dict, config, prompt_len: int = 128, new_tokens: int = 64) 
     return rows
 
 
+def pdl_setting(on: bool):
+    """Programmatic dependent launch on or off for the kernels launched (and graphs captured) inside."""
+    @contextlib.contextmanager
+    def setting():
+        before = os.environ.get("QUANTSHIP_PDL")
+        os.environ["QUANTSHIP_PDL"] = "1" if on else "0"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("QUANTSHIP_PDL")
+            else:
+                os.environ["QUANTSHIP_PDL"] = before
+    return setting()
+
+
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
-          profile: bool = False, tag: str = "", ablate: bool = False) -> None:
+          profile: bool = False, tag: str = "", ablate: bool = False, pdl_off: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
-    tokens): a short check between full runs."""
+    tokens): a short check between full runs. `pdl_off`: each also with programmatic dependent launch
+    off (the *_no_pdl entries), alternating with the others, to measure what it gives."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     del hf
@@ -528,23 +547,41 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     most = max(batches)
     config = EngineConfig(max_num_seqs=most, max_num_batched_tokens=most * 128, max_model_len=256,
                           kv_cache_bytes=8 << 30)
+    sides = {"w4a16": (w4, True), "bf16": (ours, True)}
+    if pdl_off:
+        sides |= {"w4a16_no_pdl": (w4, False), "bf16_no_pdl": (ours, False)}
+
+    def timed(name, *args):
+        model, pdl = sides[name]
+        with pdl_setting(pdl):
+            return time_engine(model, *args)
+
+    def anatomy(name, batch, **kw):
+        model, pdl = sides[name]
+        with pdl_setting(pdl):
+            return step_anatomy(model, config, batch, **kw)
+
     rows = []
     with torch.inference_mode():
         for batch in batches:
             prompts = torch.randint(3, ours.config.vocab_size, (batch, 128)).tolist()
-            time_engine(w4, prompts, 4, config)
-            time_engine(ours, prompts, 4, config)
-            runs = [(time_engine(w4, prompts, 64, config), time_engine(ours, prompts, 64, config)) for _ in range(2)]
-            t_w4, t_bf16 = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            for name in sides:
+                timed(name, prompts, 4, config)
+            runs = [{name: timed(name, prompts, 64, config) for name in sides} for _ in range(2)]
+            row = {"batch": batch}
+            for name in sides:
+                row[f"{name}_tok_s"] = batch * 64 / statistics.median(r[name] for r in runs)
             # The prompts' prefill and first token alone: what of the timed run is not decode steps.
-            first = {name: statistics.median(time_engine(m, prompts, 1, config) for _ in range(3)) * 1e3
-                     for name, m in (("w4a16", w4), ("bf16", ours))}
-            rows.append({"batch": batch, "w4a16_tok_s": batch * 64 / t_w4, "bf16_tok_s": batch * 64 / t_bf16,
-                         "first_token_ms": first,
-                         "anatomy_w4a16": step_anatomy(w4, config, batch, profile=profile),
-                         "anatomy_bf16": step_anatomy(ours, config, batch)})
+            row["first_token_ms"] = {name: statistics.median(timed(name, prompts, 1, config) for _ in range(3)) * 1e3
+                                     for name in sides}
+            for name in sides:
+                row[f"anatomy_{name}"] = anatomy(name, batch, profile=profile and name == "w4a16")
+            rows.append(row)
             print(rows[-1], flush=True)
-        ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, None, 2048, config)}
+        ttft = {}
+        for name, (model, pdl) in sides.items():
+            with pdl_setting(pdl):
+                ttft[name] = time_ttft(model, None, 2048, config)
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
         if profile:
@@ -828,6 +865,8 @@ def main() -> None:
                    help="keep MoE layers' shared experts a dense MLP of their own (models.deepseek.MoE.fold_shared)")
     q.add_argument("--ablate", action="store_true",
                    help="also batch 1 with decode graphs only, + graphs of prompt chunks, + decode steps run ahead")
+    q.add_argument("--pdl-off", action="store_true",
+                   help="also time each side with programmatic dependent launch off (QUANTSHIP_PDL=0), alternating")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -845,7 +884,8 @@ def main() -> None:
             from quantship.models.deepseek import MoE
 
             MoE.fold_shared = False
-        quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate)
+        quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
+              args.pdl_off)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -4,6 +4,8 @@ Nothing here imports the rest of quantship. Triton is imported only when a kerne
 on a machine without CUDA (and without TRITON_INTERPRET=1) the reference functions are the path.
 """
 
+import os
+
 import torch
 
 # Triton's dot and our float32 accumulators take these; float64 (used by exactness tests) stays on the
@@ -14,3 +16,19 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def on_gpu_kernel(x: torch.Tensor) -> bool:
     """Whether a tensor goes through the Triton kernels: on CUDA and in a dtype they compile for."""
     return x.is_cuda and x.dtype in KERNEL_DTYPES
+
+
+_DEPENDENT_LAUNCH: dict[int, bool] = {}
+
+
+def dependent_launch(x: torch.Tensor) -> dict:
+    """Launch options of a kernel working on x: programmatic dependent launch (PDL, _pdl_triton.py) on a
+    GPU that has it (compute capability 9.0 and later), so inside a decode step's CUDA graph each kernel's
+    launch and weight loads overlap the kernel before. QUANTSHIP_PDL=0 turns it off (to measure it)."""
+    on = False
+    if x.is_cuda and os.environ.get("QUANTSHIP_PDL", "1") != "0":
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if index not in _DEPENDENT_LAUNCH:
+            _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        on = _DEPENDENT_LAUNCH[index]
+    return {"PDL": on, "launch_pdl": on}

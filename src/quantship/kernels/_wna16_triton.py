@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from quantship.kernels._elementwise_triton import silu_mul_values
+from quantship.kernels._pdl_triton import release_dependents, start, wait_for_inputs
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
 MAGIC_VALUE = tl.constexpr(8388608.0)
@@ -350,19 +351,29 @@ def gemv_acc(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr):
 @triton.jit
 def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split,
           BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
-          BF16X2: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The dense GEMVs' program: row program_id(1) of x, outputs program_id(0), K split program_id(2)."""
-    ROWS: tl.constexpr = BLOCK_K // (32 // BITS)
+          BF16X2: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The dense GEMVs' program: row program_id(1) of x, outputs program_id(0), K split program_id(2). The
+    first K tile's words are loaded before waiting for the kernel before (PDL): they are weights, so with
+    PDL they are in flight while that kernel finishes (the table's GEMVs have one K tile per program)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    release_dependents(PDL)
     pid_n = tl.program_id(0)
     row_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
-    acc = gemv_acc(ROWS, BLOCK_N, SPANS)
+    word_rows = tl.cdiv(K, PER_WORD)
     k_begin = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_ptr + row_m * stride_xm, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N,
-                        K, group_size, BITS, HAS_ZERO, SPANS, BF16X2, GATED)
+    k_end = tl.minimum(k_begin + k_per_split, K)  # past k_begin: every split has a tile (wna16.split_range)
+    words = _tile_words(w_ptr, s_ptr, z_ptr, k_begin // PER_WORD + r, k_begin, offs_n, word_rows, N, group_size,
+                        BITS, HAS_ZERO, SPANS)
+    wait_for_inputs(PDL)
+    x_row = x_ptr + row_m * stride_xm
+    acc = gemv_product(gemv_acc(ROWS, BLOCK_N, SPANS), words, gemv_x(x_row, k_begin, r, K, BITS, BF16X2, GATED),
+                       BITS, HAS_ZERO, SPANS, BF16X2)
+    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS, HAS_ZERO,
+                        SPANS, BF16X2, GATED)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 
@@ -371,24 +382,24 @@ def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_x
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                       k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                       FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
     sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
     each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile)."""
     _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split, BITS,
-          HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, BLOCK_N, BLOCK_K)
+          HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, BLOCK_N, BLOCK_K, PDL)
 
 
 @triton.jit
 def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
                              group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                              FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
     would; the rest (pair sums, scales, the accumulation over K) is float32. GATED: as the GEMV's."""
     _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split, 4,
-          HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, BLOCK_N, BLOCK_K)
+          HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, BLOCK_N, BLOCK_K, PDL)
 
 
 @triton.jit
@@ -490,7 +501,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
                           k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, SPANS: tl.constexpr,
                           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y^T = W x^T on tensor cores for a few to 64 rows of x. The weight is the left operand: its
     [BN, R] word tile is loaded once (pipelined into shared memory, read in the product's register
     layout) and gives one product per value position i, so BN outputs fill the instruction's wide
@@ -501,6 +512,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
+    start(PDL)
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
     if ROWS == 16:
         x_cols = r
@@ -543,13 +555,14 @@ def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group
 def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                         k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                         FINISH: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The swap tile (wna16_swap_dot_kernel's products) reading x as it is: a K tile's inputs are one
     load [R, BM, P] (P consecutive inputs per thread, vectorized), sliced per value position in
     registers (_value_slices), and loaded a tile ahead by hand; no permuted copy of x per call, and no
     load of x between the products."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    start(PDL)
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
     inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
     x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
@@ -567,11 +580,14 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
 
 @triton.jit
 def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced. A third
-    grid axis walks a stack of such weights ([E, K/P, N] packed into [E, K, N]: a layer's experts)."""
+    grid axis walks a stack of such weights ([E, K/P, N] packed into [E, K, N]: a layer's experts). Only
+    the stores wait for the kernel before (PDL: out may be memory that kernel still reads)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
+    release_dependents(PDL)
     stack = tl.program_id(2).to(tl.int64)
     w_ptr += stack * tl.cdiv(K, PER_WORD) * N
     s_ptr += stack * tl.cdiv(K, group_size) * N
@@ -588,4 +604,5 @@ def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
     w = (q - offset[None, None, :]) * scale[None, None, :]
     offs_k = k0 + r[None, :, None] * PER_WORD + i[:, None, None]
     mask = (offs_k < K) & (offs_n[None, None, :] < N)
+    wait_for_inputs(PDL)
     tl.store(out_ptr + offs_k * N + offs_n[None, None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

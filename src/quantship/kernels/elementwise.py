@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quantship.kernels import dependent_launch
+
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -43,7 +45,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     n, rows = x.shape[-1], _rows(x)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
-    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, **_row_block(n))
+    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, **_row_block(n),
+                                      **dependent_launch(x))
     return out.view(x.shape)
 
 
@@ -56,7 +59,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     total = torch.empty(rows.shape, dtype=torch.result_type(x, delta), device=x.device)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, total), device=x.device)
     add_rms_norm_kernel[(rows.shape[0],)](rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0), n, eps,
-                                          **_row_block(n))
+                                          **_row_block(n), **dependent_launch(x))
     return total.view(x.shape), out.view(x.shape)
 
 
@@ -73,7 +76,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.T
     n, g, u = gate.shape[-1], _rows(gate), _rows(up)
     out = torch.empty(g.shape, dtype=torch.result_type(gate, up), device=gate.device)
     silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block,
-                                                         num_warps=4)
+                                                         num_warps=4, **dependent_launch(gate))
     return out.view(gate.shape)
 
 
@@ -103,7 +106,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device).transpose(0, 1)
     rope_kernel[(heads, t)](x3, cos, sin, out, d // 2, x3.stride(0), x3.stride(1), cos.stride(0), out.stride(0),
                             out.stride(1), INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(d // 2),
-                            num_warps=1)
+                            num_warps=1, **dependent_launch(x))
     return out if x.dim() == 3 else out[0]
 
 
@@ -137,7 +140,8 @@ def latent_write(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     latent_write_kernel[(latent.shape[0],)](latent, weight, cos, sin, kv, slots, latent.stride(0), cos.stride(0),
                                             kv.shape[1], eps, RANK=rank, HALF=half, INTERLEAVED=interleaved,
                                             BLOCK_R=triton.next_power_of_2(rank),
-                                            BLOCK_P=triton.next_power_of_2(half), num_warps=4)
+                                            BLOCK_P=triton.next_power_of_2(half), num_warps=4,
+                                            **dependent_launch(latent))
 
 
 def reference_kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
@@ -169,4 +173,4 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     kv_write_kernel[(n, heads)](k, v, cos, sin, kv, slots, k.stride(0), k.stride(1), v.stride(0), cos.stride(0),
                                 kv.shape[1], KV_HEADS=heads, HALF=dim // 2, INTERLEAVED=interleaved,
                                 BLOCK_P=triton.next_power_of_2(dim // 2), BLOCK_D=triton.next_power_of_2(dim),
-                                num_warps=1)
+                                num_warps=1, **dependent_launch(k))

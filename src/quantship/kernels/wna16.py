@@ -36,6 +36,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from quantship.kernels import dependent_launch
+
 
 def words_per_column(in_features: int, bits: int) -> int:
     per_word = 32 // bits
@@ -236,7 +238,7 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
     grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k), packed.shape[0] if packed.dim() == 3 else 1)
     dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, group_size, BITS=bits,
                             HAS_ZERO=zero is not None, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
-                            num_warps=blocks.num_warps)
+                            num_warps=blocks.num_warps, **dependent_launch(packed))
     return out
 
 
@@ -352,7 +354,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     sums, counters = workspace or (y, y)
     common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
-                  BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+                  BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+                  **dependent_launch(x))
     grid = (*grid, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
             group_size, per_split)
