@@ -171,6 +171,8 @@ def test_a_decode_step_through_the_fused_ops_gives_the_same_logits(which, llama_
             batch, positions = paged.PagedBatch.build(kv, [[0, 1], [2, 3]], lengths, [1, 1], block, DEVICE)
             logits.append((prefill, model(ids[None, sum(lengths):], positions, batch)))
     assert all(calls.values()), calls  # each kind of op went through its kernel
+    if which == "llama":  # each residual step is the norm after it: one plain norm per forward, the first
+        assert calls["rms_norm"] == 2 and calls["add_rms_norm"] == 2 * 2 * len(model.model.layers), calls
     # On a GPU the kernels' float32 reductions run in another order than torch's, and three layers of
     # MLA + MoE carry that rounding to ~3e-4 of the logits (seen on an H200); the interpreter keeps 1e-4.
     tolerance = 1e-3 if DEVICE == "cuda" else 1e-4

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantship.kernels import elementwise
+from quantship.models import layers as layer_parts
 from quantship.models.config import LLAMA, QWEN2, QWEN3, ModelConfig
 from quantship.models.deepseek import deepseek_layer
 from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm, embedding
@@ -46,6 +48,12 @@ class CausalLM(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[-1], device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
+        if layer_parts.use_fused_ops(x):  # each residual step inside the norm after it (DecoderLayer.deferred)
+            pending = None
+            for i, layer in enumerate(self.model.layers):
+                x, pending = layer.deferred(x, pending, positions, cache, i)
+            norm = self.model.norm
+            return x if pending is None else elementwise.add_rms_norm(x, pending, norm.weight, norm.eps)[1]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, cache, i)
         return self.model.norm(x)

@@ -201,12 +201,28 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, cache: ContiguousCache | PagedBatch | None = None,
         index: int = 0,
     ) -> torch.Tensor:
-        attention = self.self_attn.forward_paged if isinstance(cache, PagedBatch) else self.self_attn
-        attended = attention(self.input_layernorm(x), positions, cache, index)
-        norm = self.post_attention_layernorm
-        if use_fused_ops(x):  # the residual step and the norm after it in one kernel
-            x, normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)
-        else:
-            x = x + attended
+        if use_fused_ops(x):
+            x, delta = self.deferred(x, None, positions, cache, index)
+            return x + delta
+        attended = self._attention(cache)(self.input_layernorm(x), positions, cache, index)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _attention(self, cache):
+        return self.self_attn.forward_paged if isinstance(cache, PagedBatch) else self.self_attn
+
+    def deferred(self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
+                 cache: ContiguousCache | PagedBatch | None, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer through the fused kernels with its last residual step left to the caller: returns the
+        residual stream before it and the MLP's output to add. `pending`, the layer before's MLP output,
+        is added in this layer's input norm (each residual step is the kernel of the norm after it: a
+        separate add launch fewer per layer, CausalLM.hidden_states). GPU only (use_fused_ops)."""
+        norm = self.input_layernorm
+        if pending is None:
             normed = norm(x)
-        return x + self.mlp(normed)
+        else:
+            x, normed = elementwise.add_rms_norm(x, pending, norm.weight, norm.eps)
+        attended = self._attention(cache)(normed, positions, cache, index)
+        norm = self.post_attention_layernorm
+        x, normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)
+        return x, self.mlp(normed)
