@@ -20,7 +20,7 @@ from quantship.kernels import _wna16_triton as wna16
 
 def compile(fn, signature, constexprs, prefetch=False):
     # Kernels that take programmatic dependent launch compile as the GPU launches them: with it on; the
-    # GEMVs and the dequantize pass (prefetch) load weights before they wait for the kernel before.
+    # GEMVs, swap_x and the dequantize pass (prefetch) load weights before they wait for the kernel before.
     pdl = "PDL" in fn.arg_names
     constexprs = dict(constexprs, PDL=True) if pdl else constexprs
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
@@ -55,7 +55,7 @@ for bits in (4, 8):
                              EVEN_K=spans))
                 compile(wna16.wna16_swap_x_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
-                             EVEN_K=spans))
+                             EVEN_K=spans), prefetch=True)
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, prefetch=True)
