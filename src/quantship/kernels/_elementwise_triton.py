@@ -7,7 +7,7 @@ PyTorch op = one rounding), so in bf16 they give what the unfused ops give, up t
 import triton
 import triton.language as tl
 
-from quantship.kernels._pdl_triton import start
+from quantship.kernels._pdl_triton import start_dependent
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _norm_row(x, w_ptr, out_ptr, row, n, eps, offs, mask):
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row per program."""
-    start(PDL)
+    start_dependent(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -41,7 +41,7 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr
 def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_d, n, eps, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
     """A residual step and the next norm in one pass: sum = round(x + d), out = rms_norm(sum)."""
-    start(PDL)
+    start_dependent(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -64,7 +64,7 @@ def silu_mul_values(g, u):
 @triton.jit
 def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = round(silu(g)) * u over one row and one block of columns per program."""
-    start(PDL)
+    start_dependent(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -100,7 +100,7 @@ def _rotated(base, cos_row, sin_row, half, offs, mask, INTERLEAVED: tl.constexpr
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, half, stride_a, stride_t, stride_cos, out_stride_a, out_stride_t,
                 INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One (leading index, position) per program; the output [A, T, 2*half] is in halves layout."""
-    start(PDL)
+    start_dependent(PDL)
     a_idx = tl.program_id(0)
     t = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -118,7 +118,7 @@ def latent_write_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, strid
                         BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """One token per program: its MLA latent row (c_kv ‖ k_rope) normalized and rotated, written into
     its cache slot: the norm, the rotary embedding, their concatenation and the cache write in one."""
-    start(PDL)
+    start_dependent(PDL)
     t = tl.program_id(0)
     row = x_ptr + t * stride_x
     entry = kv_ptr + tl.load(slots_ptr + t).to(tl.int64) * width
@@ -142,7 +142,7 @@ def kv_write_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, kv_ptr, slots_ptr, stride_kt
     token's cache slot (keys of every head, then values): the key's rotary embedding, the concatenation and
     the cache write in one. A program per head, not per token: at batch 1 one program walking all heads
     took 7 µs a layer on an H100, latency bound."""
-    start(PDL)
+    start_dependent(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     entry = kv_ptr + tl.load(slots_ptr + t).to(tl.int64) * width

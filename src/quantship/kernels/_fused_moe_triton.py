@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+from quantship.kernels._pdl_triton import start_dependent
 from quantship.kernels._wna16_triton import (
     _last_split,
     _take_sums,
@@ -137,10 +138,11 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
                        sorted_ids_ptr, block_expert_ptr, ws_ptr, counter_ptr, num_slots, expert_begin, num_experts, H,
                        I, TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                        SPANS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, KN: tl.constexpr):
+                       BLOCK_K: tl.constexpr, KN: tl.constexpr, PDL: tl.constexpr):
     """act[slot, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's slots. SPLIT: K
     is split over program_id(2); gate and up sums meet in the float32 workspace [2, slots, I] and the
     program adding a tile's last split applies SiLU and the product (wna16's in-kernel finish)."""
+    start_dependent(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     # Blocks past the last expert's run, or of experts outside expert_begin .. num_experts (a pass over a
@@ -175,9 +177,10 @@ def moe_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
 def moe_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, routing_ptr, ws_ptr,
                     counter_ptr, num_slots, expert_begin, num_experts, H, I, group_size, k_per_split,
                     BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KN: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = routing[slot] * (act[slot] . down[e, n]) for the block's slots (SPLIT: as gate/up,
     through the workspace [slots, H])."""
+    start_dependent(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if (expert >= expert_begin) & (expert < num_experts):
@@ -267,12 +270,13 @@ def _slot_gemv_gate_up(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
 def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr, up_z_ptr, act_ptr, indices_ptr,
                             ws_ptr, counter_ptr, num_slots, H, I, TOP_K, group_size, k_per_split, BITS: tl.constexpr,
                             HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, SPLIT: tl.constexpr, BF16X2: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[slot] = silu(x[token] . gate[e]) * (x[token] . up[e]) for packed experts, a program per (slot, BN
     outputs, K split): each slot is a GEMV row of its own expert, read straight from the routing (no
     alignment, no 16-row padding). For decode steps whose slots mostly pick different experts, where a
     16-row tensor-core block holds one real row and a program streams its expert's whole K alone.
     SPLIT: gate and up sums meet in the float32 workspace [2, slots, I]; the last split applies SiLU."""
+    start_dependent(PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(indices_ptr + slot).to(tl.int64)  # offsets of large expert stacks pass 2^31
@@ -298,12 +302,13 @@ def moe_gemv_gate_up_kernel(x_ptr, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_
 def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, routing_ptr, ws_ptr, counter_ptr, H, I,
                          TOP_K, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                          SPANS: tl.constexpr, SPLIT: tl.constexpr, BF16X2: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[token] = the sum over the token's slots of routing[slot] * (act[slot] . down[e]), written in
     out's dtype here (no reduction and cast after). SPLIT: a program per (slot, BN outputs, K split), each
     adding into the float32 workspace [tokens, H]; the program adding a token tile's last part (TOP_K slots
     x splits) writes it. Else (no workspace to be had) a program per (token, BN outputs) loops over the
     token's slots."""
+    start_dependent(PDL)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < H
@@ -333,12 +338,13 @@ def moe_gemv_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, out_ptr, indices_ptr, rou
 
 @triton.jit
 def align_kernel(indices_ptr, sorted_ids_ptr, block_expert_ptr, num_slots, num_experts, capacity,
-                 BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+                 BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """fused_moe.align_by_expert in one program (one launch where the torch ops take about twenty):
     count slots per expert, pad each expert's run to BLOCK_M, fill sorted_ids with the sentinel, name
     each block's expert, then place every slot at its expert's start plus its rank among the earlier
     slots of that expert (so the order is align_by_expert's stable sort). Slots go in chunks of CHUNK
     against all EXPERTS (a power of two >= num_experts) as a one-hot matrix."""
+    start_dependent(PDL)
     experts = tl.arange(0, EXPERTS)
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
     for start in range(0, num_slots, CHUNK):

@@ -9,7 +9,7 @@ with one split the program normalises and stores the output itself.
 import triton
 import triton.language as tl
 
-from quantship.kernels._pdl_triton import start
+from quantship.kernels._pdl_triton import start_dependent
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, splits, D: tl.constexpr,
     """One output row from its splits: each split's sums rescaled to the largest running max, added, and
     divided by the rescaled sum of the softmax denominators. Splits past a sequence's length hold a max
     of -inf and weigh nothing; a row with no keys at all (a graph's padding row) comes out 0."""
-    start(PDL)
+    start_dependent(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < splits
@@ -81,7 +81,7 @@ def paged_decode_kernel(q_ptr, cos_ptr, sin_ptr, cache_ptr, slots_ptr, lengths_p
     """One sequence and one K/V head with the query heads sharing it. Keys and queries are multiplied in
     their two rotary halves (as the cache holds the keys); the queries come as projected (any row
     strides) and are rotated here where ROTATE (one launch instead of the rope kernel and this)."""
-    start(PDL)
+    start_dependent(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -153,7 +153,7 @@ def paged_mla_decode_kernel(q_ptr, qr_ptr, cos_ptr, sin_ptr, cache_ptr, slots_pt
     """One sequence, BLOCK_H of its heads: every head attends to the same latent entries (c_kv ‖ k_rope).
     The queries come in two parts (latent [S, H, RANK] and rope [S, H, 2 * HALF], any row strides), the
     rope part rotated here where ROTATE (one launch instead of the rope kernel, the concatenation and this)."""
-    start(PDL)
+    start_dependent(PDL)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads

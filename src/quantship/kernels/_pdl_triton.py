@@ -26,7 +26,7 @@ def release_dependents(PDL: tl.constexpr):
 
 
 @triton.jit
-def start(PDL: tl.constexpr):
+def start_dependent(PDL: tl.constexpr):
     """A kernel that reads nothing before its inputs: let the next launch, then wait for the one before."""
     release_dependents(PDL)
     wait_for_inputs(PDL)

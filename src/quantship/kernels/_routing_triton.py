@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from quantship.kernels._pdl_triton import start_dependent
+
 NEG = tl.constexpr(float("-inf"))
 
 
@@ -15,11 +17,12 @@ def _first(values, best, where, none):
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, E, GROUP_SIZE, TOP_K, TOPK_GROUP, scaling, SHARED,
                  SIGMOID: tl.constexpr, METHOD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GROUPS: tl.constexpr, GROUP_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+                 GROUPS: tl.constexpr, GROUP_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One token's routing: its E logits as [groups, experts per group] (greedy: one group), scores,
     the kept groups (METHOD 1: by their best score, 2: by the sum of their best two), then TOP_K
     rounds of taking the best remaining expert, lowest index first among equals; then SHARED slots of
     weight 1 for the shared experts folded in after the E routed ones (indices E ..)."""
+    start_dependent(PDL)
     t = tl.program_id(0)
     g = tl.arange(0, GROUPS)[:, None]
     j = tl.arange(0, GROUP_BLOCK)[None, :]

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from quantship.kernels._elementwise_triton import silu_mul_values
-from quantship.kernels._pdl_triton import release_dependents, start, wait_for_inputs
+from quantship.kernels._pdl_triton import release_dependents, start_dependent, wait_for_inputs
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
 MAGIC_VALUE = tl.constexpr(8388608.0)
@@ -512,7 +512,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
-    start(PDL)
+    start_dependent(PDL)
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
     if ROWS == 16:
         x_cols = r

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantship.kernels import dependent_launch
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -88,5 +90,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, r: Routing) -> tuple[
                        r.topk_group, r.scaling, r.shared, SIGMOID=r.scoring == "sigmoid", METHOD=METHODS[r.method],
                        NORMALIZE=r.normalize and r.top_k > 1, HAS_BIAS=bias is not None,
                        GROUPS=triton.next_power_of_2(groups), GROUP_BLOCK=triton.next_power_of_2(group_size),
-                       K_BLOCK=triton.next_power_of_2(width), num_warps=1 if experts <= 64 else 2)
+                       K_BLOCK=triton.next_power_of_2(width), num_warps=1 if experts <= 64 else 2,
+                       **dependent_launch(logits))
     return weights, indices
