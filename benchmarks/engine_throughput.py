@@ -534,10 +534,10 @@ def pdl_setting(on: bool):
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
-          profile: bool = False, tag: str = "", ablate: bool = False, pdl_off: bool = False) -> None:
+          profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
-    tokens): a short check between full runs. `pdl_off`: each also with programmatic dependent launch
-    off (the *_no_pdl entries), alternating with the others, to measure what it gives."""
+    tokens): a short check between full runs. `pdl`: each also with programmatic dependent launch on
+    (the *_pdl entries; QUANTSHIP_PDL=1), alternating with the others, to measure what it gives."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     del hf
@@ -545,20 +545,22 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
+    # four engines at once with pdl: a smaller cache each where the batches leave room (16 x 256 tokens
+    # of the 6.7B shape are 2 GB)
     config = EngineConfig(max_num_seqs=most, max_num_batched_tokens=most * 128, max_model_len=256,
-                          kv_cache_bytes=8 << 30)
-    sides = {"w4a16": (w4, True), "bf16": (ours, True)}
-    if pdl_off:
-        sides |= {"w4a16_no_pdl": (w4, False), "bf16_no_pdl": (ours, False)}
+                          kv_cache_bytes=(4 if pdl and most <= 32 else 8) << 30)
+    sides = {"w4a16": (w4, False), "bf16": (ours, False)}
+    if pdl:
+        sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True)}
 
     def timed(name, *args):
-        model, pdl = sides[name]
-        with pdl_setting(pdl):
+        model, on = sides[name]
+        with pdl_setting(on):
             return time_engine(model, *args)
 
     def anatomy(name, batch, **kw):
-        model, pdl = sides[name]
-        with pdl_setting(pdl):
+        model, on = sides[name]
+        with pdl_setting(on):
             return step_anatomy(model, config, batch, **kw)
 
     rows = []
@@ -579,8 +581,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             rows.append(row)
             print(rows[-1], flush=True)
         ttft = {}
-        for name, (model, pdl) in sides.items():
-            with pdl_setting(pdl):
+        for name, (model, on) in sides.items():
+            with pdl_setting(on):
                 ttft[name] = time_ttft(model, None, 2048, config)
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
@@ -865,8 +867,8 @@ def main() -> None:
                    help="keep MoE layers' shared experts a dense MLP of their own (models.deepseek.MoE.fold_shared)")
     q.add_argument("--ablate", action="store_true",
                    help="also batch 1 with decode graphs only, + graphs of prompt chunks, + decode steps run ahead")
-    q.add_argument("--pdl-off", action="store_true",
-                   help="also time each side with programmatic dependent launch off (QUANTSHIP_PDL=0), alternating")
+    q.add_argument("--pdl", action="store_true",
+                   help="also time each side with programmatic dependent launch on (QUANTSHIP_PDL=1), alternating")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -885,7 +887,7 @@ def main() -> None:
 
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
-              args.pdl_off)
+              args.pdl)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -228,9 +228,13 @@ def test_mla_cache_holds_the_latent_not_full_kv(tiny, reference_dirs):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
-def test_cuda_graph_decode_matches_plain_loop(reference_dirs, name):
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_cuda_graph_decode_matches_plain_loop(reference_dirs, name, pdl, monkeypatch):
     """On a GPU, decode steps and steps of prompt chunks replay CUDA graphs (MoE layers through the fused
-    experts), decode steps run one ahead of their tokens' reading; the tokens must not change."""
+    experts), decode steps run one ahead of their tokens' reading; the tokens must not change. Also with
+    programmatic dependent launch (on Hopper: kernels overlapping the one before, a race if one read or
+    wrote before its wait)."""
+    monkeypatch.setenv("QUANTSHIP_PDL", pdl)
     # float32, not the float64 of the CPU tests: the Triton kernels (fused experts, paged decode attention)
     # compile for 16- and 32-bit floats and float64 stays on the plain-torch path.
     model = load_model(reference_dirs[name][0], torch.float32, device="cuda")

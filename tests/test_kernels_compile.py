@@ -20,7 +20,7 @@ from quantship.kernels import _wna16_triton as wna16
 
 def compile(fn, signature, constexprs, prefetch=False):
     # Kernels that take programmatic dependent launch compile as the GPU launches them: with it on; the
-    # GEMVs, swap_x and the dequantize pass (prefetch) load weights before they wait for the kernel before.
+    # GEMVs and the dequantize pass (prefetch) load weights before they wait for the kernel before.
     pdl = "PDL" in fn.arg_names
     constexprs = dict(constexprs, PDL=True) if pdl else constexprs
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
@@ -55,7 +55,7 @@ for bits in (4, 8):
                              EVEN_K=spans))
                 compile(wna16.wna16_swap_x_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
-                             EVEN_K=spans), prefetch=True)
+                             EVEN_K=spans))
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, prefetch=True)
@@ -152,3 +152,20 @@ def test_every_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count(" ok") == 140
+
+
+def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
+    """PDL only where QUANTSHIP_PDL=1 asks for it and the tensor is on a GPU: the interpreter cannot run
+    the wait (a CPU tensor under TRITON_INTERPRET must get PDL off even when asked)."""
+    import torch
+
+    from quantship.kernels import dependent_launch
+
+    off = {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv("QUANTSHIP_PDL", "1")
+    assert dependent_launch(torch.zeros(1)) == off
+    if torch.cuda.is_available():
+        on = torch.cuda.get_device_capability()[0] >= 9
+        assert dependent_launch(torch.zeros(1, device="cuda")) == {"PDL": on, "launch_pdl": on}
+        monkeypatch.setenv("QUANTSHIP_PDL", "0")
+        assert dependent_launch(torch.zeros(1, device="cuda")) == off

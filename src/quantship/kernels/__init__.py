@@ -22,11 +22,12 @@ _DEPENDENT_LAUNCH: dict[int, bool] = {}
 
 
 def dependent_launch(x: torch.Tensor) -> dict:
-    """Launch options of a kernel working on x: programmatic dependent launch (PDL, _pdl_triton.py) on a
-    GPU that has it (compute capability 9.0 and later), so inside a decode step's CUDA graph each kernel's
-    launch and weight loads overlap the kernel before. QUANTSHIP_PDL=0 turns it off (to measure it)."""
+    """Launch options of a kernel working on x: programmatic dependent launch (PDL, _pdl_triton.py) where
+    QUANTSHIP_PDL=1 asks for it and the GPU has it (compute capability 9.0 and later), so inside a decode
+    step's CUDA graph each kernel's launch and weight loads overlap the kernel before. Off by default until
+    it is measured on a GPU (`benchmarks/engine_throughput.py quick --pdl`); CI checks what it compiles to."""
     on = False
-    if x.is_cuda and os.environ.get("QUANTSHIP_PDL", "1") != "0":
+    if x.is_cuda and os.environ.get("QUANTSHIP_PDL") == "1":
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if index not in _DEPENDENT_LAUNCH:
             _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9

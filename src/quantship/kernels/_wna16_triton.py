@@ -539,21 +539,16 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
 
 
 @triton.jit
-def _swap_product(xs, w, hi, scale, base, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
-    """[BN, BM] float32: a loaded swap tile (_swap_tile) times x's inputs of the tile as they are ([R, BM, P],
-    _value_slices), on tensor cores: one product per value position, the weight's values the left operand
-    (_exact_values), scaled per word row (SPANS) or per output."""
-    part = tl.zeros((w.shape[0], xs.shape[1]), dtype=tl.float32)
-    return _position_products(part, w, hi, scale, base, _value_slices(xs, 32 // BITS), BITS, HAS_ZERO, SPANS, True)
-
-
-@triton.jit
 def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
                   HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
-    """_swap_product of the K tile at word rows `rows`, outputs offs_n, loaded here."""
+    """[BN, BM] float32: outputs offs_n of one K tile (word rows `rows`) of y^T = W x^T, x's inputs of the
+    tile given as they are ([R, BM, P], _value_slices), on tensor cores: one product per value position,
+    the weight's values the left operand (_exact_values), scaled per word row (SPANS) or per output."""
+    PER_WORD: tl.constexpr = 32 // BITS
     w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO,
                                     SPANS, EVEN_K)
-    return _swap_product(xs, w, hi, scale, base, BITS, HAS_ZERO, SPANS)
+    part = tl.zeros((offs_n.shape[0], xs.shape[1]), dtype=tl.float32)
+    return _position_products(part, w, hi, scale, base, _value_slices(xs, PER_WORD), BITS, HAS_ZERO, SPANS, True)
 
 
 @triton.jit
@@ -564,24 +559,18 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     """The swap tile (wna16_swap_dot_kernel's products) reading x as it is: a K tile's inputs are one
     load [R, BM, P] (P consecutive inputs per thread, vectorized), sliced per value position in
     registers (_value_slices), and loaded a tile ahead by hand; no permuted copy of x per call, and no
-    load of x between the products. The first K tile's weights are loaded before waiting for the kernel
-    before (PDL), as the GEMVs' are (the table's programs walk two K tiles)."""
+    load of x between the products. With PDL it waits for the kernel before at its start: loading the
+    first weight tile before the wait (as the GEMVs do) would take it out of the loop Triton pipelines."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    release_dependents(PDL)
+    start_dependent(PDL)
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
     inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
     x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
     word_rows = tl.cdiv(K, PER_WORD)
-    w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k_begin // PER_WORD + r, k_begin, offs_n, word_rows, N,
-                                    group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
-    wait_for_inputs(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     xs = tl.load(x_rows + k_begin + inputs, mask=m_ok[None, :, None] & (k_begin + inputs < k_end), other=0.0)
-    k_next = k_begin + BLOCK_K + inputs
-    xs_next = tl.load(x_rows + k_next, mask=m_ok[None, :, None] & (k_next < k_end), other=0.0)
-    acc = _swap_product(xs, w, hi, scale, base, BITS, HAS_ZERO, SPANS)
-    xs = xs_next
-    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = k0 + BLOCK_K + inputs
         xs_next = tl.load(x_rows + k_next, mask=m_ok[None, :, None] & (k_next < k_end), other=0.0)
         acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size, BITS,
