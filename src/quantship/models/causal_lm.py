@@ -53,7 +53,7 @@ class CausalLM(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 x, pending = layer.deferred(x, pending, positions, cache, i)
             norm = self.model.norm
-            return x if pending is None else elementwise.add_rms_norm(x, pending, norm.weight, norm.eps)[1]
+            return norm(x) if pending is None else elementwise.add_rms_norm(x, pending, norm.weight, norm.eps)[1]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, cache, i)
         return self.model.norm(x)
