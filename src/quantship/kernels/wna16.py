@@ -27,6 +27,10 @@ groups. Which runs for which M is a fixed table measured on an H200 and an H100
 (benchmarks/kernel_wna16.py), never tuned on the request path. `tinygemm_pack` makes the same int4
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
+
+Under programmatic dependent launch (kernels.dependent_launch, QUANTSHIP_PDL=1) the GEMVs load their
+first K tile's words and scales before waiting for the kernel before, and the dequantize pass waits
+only before its stores: weights are never written during a step, x and the outputs may be.
 """
 
 from __future__ import annotations
