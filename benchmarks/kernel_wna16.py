@@ -250,12 +250,15 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
                   f"{ranked[0][1] * 1e6:.1f} for one tile shape (a table per shape's worth)")
     by_shape = {label: {m: [(asdict(b), t) for b, t in sorted(times.items(), key=lambda kv: kv[1])[:5]]
                         for m, times in per_shape.items()} for label, per_shape in shape_sweeps.items()}
+    from quantship.kernels import dependent_launch
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
               "errors": errors, "rows": rows, "ranking": ranking, "by_shape": by_shape,
               "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
+              # programmatic dependent launch (QUANTSHIP_PDL=1): a layer's graphed calls overlap each other
+              "pdl": dependent_launch(torch.empty(0, device="cuda"))["PDL"],
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
