@@ -32,4 +32,5 @@ def dependent_launch(x: torch.Tensor) -> dict:
         if index not in _DEPENDENT_LAUNCH:
             _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9
         on = _DEPENDENT_LAUNCH[index]
-    return {"PDL": on, "launch_pdl": on}
+    # launch_pdl only when on: Triton before 3.3 has no such launch option
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
