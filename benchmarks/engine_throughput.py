@@ -517,11 +517,15 @@ def ablation(models: dict, config, prompt_len: int = 128, new_tokens: int = 64) 
     return rows
 
 
-def pdl_setting(on: bool):
-    """Programmatic dependent launch on or off for the kernels launched (and graphs captured) inside."""
+def pdl_setting(on: bool | None):
+    """Programmatic dependent launch on or off (None: as the environment has it) for the kernels launched,
+    and graphs captured, inside."""
     @contextlib.contextmanager
     def setting():
         before = os.environ.get("QUANTSHIP_PDL")
+        if on is None:
+            yield
+            return
         os.environ["QUANTSHIP_PDL"] = "1" if on else "0"
         try:
             yield
@@ -536,8 +540,8 @@ def pdl_setting(on: bool):
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
-    tokens): a short check between full runs. `pdl`: each also with programmatic dependent launch on
-    (the *_pdl entries; QUANTSHIP_PDL=1), alternating with the others, to measure what it gives."""
+    tokens): a short check between full runs. `pdl`: each side with programmatic dependent launch off and
+    on (the *_pdl entries), alternating, to measure what it gives."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     del hf
@@ -549,7 +553,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     # of the 6.7B shape are 2 GB)
     config = EngineConfig(max_num_seqs=most, max_num_batched_tokens=most * 128, max_model_len=256,
                           kv_cache_bytes=(4 if pdl and most <= 32 else 8) << 30)
-    sides = {"w4a16": (w4, False), "bf16": (ours, False)}
+    # with `pdl` the plain sides run with it off, whatever the default
+    sides = {"w4a16": (w4, False if pdl else None), "bf16": (ours, False if pdl else None)}
     if pdl:
         sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True)}
 
@@ -868,7 +873,7 @@ def main() -> None:
     q.add_argument("--ablate", action="store_true",
                    help="also batch 1 with decode graphs only, + graphs of prompt chunks, + decode steps run ahead")
     q.add_argument("--pdl", action="store_true",
-                   help="also time each side with programmatic dependent launch on (QUANTSHIP_PDL=1), alternating")
+                   help="time each side with programmatic dependent launch off and on (*_pdl), alternating")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
