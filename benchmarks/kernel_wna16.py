@@ -258,7 +258,7 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
               "errors": errors, "rows": rows, "ranking": ranking, "by_shape": by_shape,
               "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
               # programmatic dependent launch (QUANTSHIP_PDL=1): a layer's graphed calls overlap each other
-              "pdl": dependent_launch(torch.empty(0, device="cuda"))["PDL"],
+              "pdl": torch.cuda.is_available() and dependent_launch(torch.empty(0, device="cuda"))["PDL"],
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
