@@ -136,10 +136,12 @@ def candidates(m: int):
                                               for split in (0, 8)]
     if m > 64:
         # dequantize + cuBLAS, and the 64-row tensor-core tiles over several row blocks (a 128-token prompt's
-        # dense calls)
+        # dense calls), the grid walking the output tiles first or the row blocks (then the blocks of one
+        # weight tile run together: it is read from memory once, from L2 after, as dequantize + cuBLAS reads
+        # the packed weight once but writes and reads it again dense)
         return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
-            Blocks(kind, 64, bn, bk, 1, 4, 4 if kind == "swap_dot" else 3) for kind in ("swap_dot", "swap_x")
-            for bn in (64, 128) for bk in (128, 256)]
+            Blocks(kind, 64, bn, bk, 1, 4, 4 if kind == "swap_dot" else 3, rows_first=first)
+            for kind in ("swap_dot", "swap_x") for bn in (64, 128) for bk in (128, 256) for first in (False, True)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -290,7 +292,8 @@ def _short(b) -> str:
     split = {-1: "a K tile per program", 0: "K split to fill the GPU", 1: "K unsplit"}.get(b.split_k,
                                                                                        f"K split {b.split_k}")
     rows = "" if b.kind.startswith("gemv") else f"{b.block_m} rows x "
-    return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}"
+    order = ", row blocks first" if b.rows_first else ""
+    return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}{order}"
 
 
 def _layer_rows(r: dict) -> list[list]:
@@ -445,7 +448,7 @@ def render() -> None:
 def _source(b) -> str:
     """A Blocks as kernels/wna16.py writes it."""
     text = f'Blocks("{b.kind}", {b.block_m}, {b.block_n}, {b.block_k}, {b.split_k}, {b.num_warps}, {b.num_stages}'
-    return text + (", finish=False" if not b.finish else "") + ")"
+    return text + (", finish=False" if not b.finish else "") + (", rows_first=True" if b.rows_first else "") + ")"
 
 
 def adopted_table(r: dict, current: list | None = None):

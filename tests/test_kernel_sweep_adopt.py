@@ -60,6 +60,21 @@ def test_a_sweep_of_some_rows_keeps_the_tables_classes_it_did_not_sweep():
                      (None, WIDE)]
 
 
+def test_a_row_blocks_first_swap_tile_winning_a_short_prompt_is_adopted_before_dequantizing(monkeypatch):
+    """128 rows fastest as 64-row swap tiles whose grid walks the row blocks first: the 65-128 class takes
+    them, written with rows_first, dequantizing starts past it, and the capacity planner's first dense
+    row count moves with it."""
+    first = Blocks("swap_dot", 64, 128, 128, 1, 4, 4, rows_first=True)
+    r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(SWAP, 1.0)],
+                   "128": [(first, 1.0), (WHOLE, 1.2)], "2048": [(WHOLE, 1.0)]})
+    table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, WHOLE)])
+    assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (128, first), (None, WHOLE)]
+    assert kernel_wna16._source(first) == 'Blocks("swap_dot", 64, 128, 128, 1, 4, 4, rows_first=True)'
+    assert eval(kernel_wna16._source(first), {"Blocks": Blocks}) == first
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", table)
+    assert wna16.dequantizes_from() == 129 and wna16.choose_blocks(100) == first
+
+
 def test_a_sweep_past_one_row_keeps_both_one_row_gemvs():
     """A sweep of 128 rows and up leaves the one-row class alone: the bf16x2 GEMV and the float32 GEMV for
     what its PTX cannot take (both limit 1) stay, in order."""

@@ -50,12 +50,13 @@ for bits in (4, 8):
                             {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated).items() if k != "BITS"},
                             prefetch=True)
             for block_m, block_n in ((16, 128), (64, 64)):  # the table's two swap tiles
+                # the 64-row ones also with the grid walking row blocks first (prefill candidates)
                 compile(wna16.wna16_swap_dot_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
-                             EVEN_K=spans))
+                             EVEN_K=spans, ROWS_FIRST=block_m == 64))
                 compile(wna16.wna16_swap_x_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
-                             EVEN_K=spans))
+                             EVEN_K=spans, ROWS_FIRST=block_m == 64))
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, prefetch=True)

@@ -100,6 +100,23 @@ def test_every_tile_shape_and_split_agrees(blocks):
     assert ((out - expected).norm() / expected.norm()) < 3e-3
 
 
+@pytest.mark.parametrize("kind", ["swap_x", "swap_dot"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_swap_tiles_over_several_row_blocks_in_either_grid_order(kind, split):
+    """A swap tile over three row blocks of x (a short prompt's rows), its grid walking the output tiles
+    first or the row blocks (rows_first: a weight tile's programs together, for L2): the same result either
+    way, a K split finished in the kernel included (each tile's counter is its own in both orders)."""
+    values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=11)
+    packed, scale, zero = wna16.pack(values, 4).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, 4, 512, 64)
+    outs = [wna16.matmul(x, packed, scale, zero, 4, 512, 64,
+                         blocks=wna16.Blocks(kind, 16, 32, 128, split, 4, 2, rows_first=first)) for first in (False, True)]
+    for out in outs:
+        assert ((out - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 3e-3)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_split_finished_in_the_kernel_leaves_its_workspace_clean():
     """A K split adds its partial sums into one float32 workspace per device and the last program of each
     tile writes y and clears what it used: calls in a row, of different shapes and kernels, each equal the

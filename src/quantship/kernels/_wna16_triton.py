@@ -479,10 +479,18 @@ def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, 
 
 
 @triton.jit
-def _swap_program(M, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    """A swap tile program's rows of x (and their mask), outputs, word rows of a K tile, and K range."""
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _swap_program(M, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                  ROWS_FIRST: tl.constexpr):
+    """A swap tile program's rows of x (and their mask), outputs, word rows of a K tile, and K range. The
+    grid's first axis (the one launched fastest) walks the output tiles, or the row blocks (ROWS_FIRST):
+    then the programs reading one weight tile for different rows of x run together, and all but the
+    first find it in L2."""
+    if ROWS_FIRST:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_m, pid_n = tl.program_id(1), tl.program_id(0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     return offs_m, offs_n, offs_m < M, tl.arange(0, ROWS), k_begin, tl.minimum(k_begin + k_per_split, K)
 
@@ -501,7 +509,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
                           k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, SPANS: tl.constexpr,
                           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr, PDL: tl.constexpr):
     """y^T = W x^T on tensor cores for a few to 64 rows of x. The weight is the left operand: its
     [BN, R] word tile is loaded once (pipelined into shared memory, read in the product's register
     layout) and gives one product per value position i, so BN outputs fill the instruction's wide
@@ -513,7 +521,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
     start_dependent(PDL)
-    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
+    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
     if ROWS == 16:
         x_cols = r
     else:
@@ -555,7 +563,7 @@ def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group
 def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
                         k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                         FINISH: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr, PDL: tl.constexpr):
     """The swap tile (wna16_swap_dot_kernel's products) reading x as it is: a K tile's inputs are one
     load [R, BM, P] (P consecutive inputs per thread, vectorized), sliced per value position in
     registers (_value_slices), and loaded a tile ahead by hand; no permuted copy of x per call, and no
@@ -564,7 +572,7 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     start_dependent(PDL)
-    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS)
+    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
     inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
     x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
     word_rows = tl.cdiv(K, PER_WORD)

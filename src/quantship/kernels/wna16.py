@@ -131,6 +131,8 @@ class Blocks:
     num_warps: int = 4
     num_stages: int = 3
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
+    rows_first: bool = False  # swap tiles over several row blocks of x: the grid walks the row blocks first,
+    # so a weight tile's programs for every row block run together and all but one read it from L2
 
 
 GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
@@ -349,7 +351,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
             x2 = permute_x(x2, bits, block_k)
     gemv = blocks.kind in GEMV_KINDS
     rows = m if gemv else triton.cdiv(m, blocks.block_m)
-    grid = (triton.cdiv(n, blocks.block_n), rows)
+    rows_first = blocks.rows_first and not gemv
+    grid = (rows, triton.cdiv(n, blocks.block_n)) if rows_first else (triton.cdiv(n, blocks.block_n), rows)
     per_split, splits = splits_for(blocks, grid[0] * grid[1], k, block_k)
     workspace = split_workspace(x.device, m * n, grid[0] * grid[1]) if splits > 1 and blocks.finish else None
     if splits > 1 and workspace is None:  # partial sums added into y itself: zeroed first, cast after
@@ -372,8 +375,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
-                                          **common)
+                                          ROWS_FIRST=rows_first, **common)
     else:
         kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
-                                            **common)
+                                            ROWS_FIRST=rows_first, **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)
