@@ -517,24 +517,20 @@ def ablation(models: dict, config, prompt_len: int = 128, new_tokens: int = 64) 
     return rows
 
 
+@contextlib.contextmanager
 def pdl_setting(on: bool | None):
     """Programmatic dependent launch on or off (None: as the environment has it) for the kernels launched,
     and graphs captured, inside."""
-    @contextlib.contextmanager
-    def setting():
-        before = os.environ.get("QUANTSHIP_PDL")
-        if on is None:
-            yield
-            return
+    before = os.environ.get("QUANTSHIP_PDL")
+    if on is not None:
         os.environ["QUANTSHIP_PDL"] = "1" if on else "0"
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop("QUANTSHIP_PDL")
-            else:
-                os.environ["QUANTSHIP_PDL"] = before
-    return setting()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("QUANTSHIP_PDL", None)
+        else:
+            os.environ["QUANTSHIP_PDL"] = before
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
