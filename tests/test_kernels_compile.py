@@ -18,9 +18,10 @@ from quantship.kernels import _elementwise_triton as elementwise, _fused_moe_tri
 from quantship.kernels import _paged_attention_triton as attention, _routing_triton as routing
 from quantship.kernels import _wna16_triton as wna16
 
-def compile(fn, signature, constexprs, prefetch=False):
+def compile(fn, signature, constexprs, before_wait=None):
     # Kernels that take programmatic dependent launch compile as the GPU launches them: with it on; the
-    # GEMVs and the dequantize pass (prefetch) load weights before they wait for the kernel before.
+    # GEMVs and the dequantize pass load weights before they wait for the kernel before, the swap tiles
+    # prefetch them into L2 (before_wait: what the PTX must show ahead of the wait).
     pdl = "PDL" in fn.arg_names
     constexprs = dict(constexprs, PDL=True) if pdl else constexprs
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
@@ -30,8 +31,8 @@ def compile(fn, signature, constexprs, prefetch=False):
     assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
     ptx = kernel.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == pdl, fn.__name__
-    if prefetch:
-        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait"), fn.__name__
+    if before_wait:
+        assert ptx.index(before_wait) < ptx.index("griddepcontrol.wait"), (fn.__name__, before_wait)
     print(fn.__name__, "ok")
 
 matmul = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -43,23 +44,23 @@ for bits in (4, 8):
         tiles = {"BITS": bits, "HAS_ZERO": zero, "ATOMIC": True, "FINISH": zero, "BLOCK_N": 128, "BLOCK_K": 128}
         for spans in (False, True):
             # the GEMVs also compile taking SwiGLU's product of gate and up as their x (GATED)
-            compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans, GATED=spans), prefetch=True)
+            compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans, GATED=spans), before_wait="ld.global")
             if bits == 4:  # its bf16x2 PTX goes through ptxas here: the interpreter cannot run it
                 for gated in (False, True):
                     compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
                             {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated).items() if k != "BITS"},
-                            prefetch=True)
+                            before_wait="ld.global")
             for block_m, block_n in ((16, 128), (64, 64)):  # the table's two swap tiles
                 # the 64-row ones also with the grid walking row blocks first (prefill candidates)
                 compile(wna16.wna16_swap_dot_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
-                             EVEN_K=spans, ROWS_FIRST=block_m == 64))
+                             EVEN_K=spans, ROWS_FIRST=block_m == 64), before_wait="prefetch.global.L2")
                 compile(wna16.wna16_swap_x_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
-                             EVEN_K=spans, ROWS_FIRST=block_m == 64))
+                             EVEN_K=spans, ROWS_FIRST=block_m == 64), before_wait="prefetch.global.L2")
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "group_size": "i32"},
-                {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, prefetch=True)
+                {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, before_wait="ld.global")
 experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
 gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
            for p, t in experts.items()}, **{p.replace("w_", "up_").replace("s_", "up_s_").replace("z_", "up_z_"): t

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from quantship.kernels._elementwise_triton import silu_mul_values
-from quantship.kernels._pdl_triton import release_dependents, start_dependent, wait_for_inputs
+from quantship.kernels._pdl_triton import release_dependents, wait_for_inputs
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR a small integer into the mantissa, read the float back
 MAGIC_VALUE = tl.constexpr(8388608.0)
@@ -496,6 +496,26 @@ def _swap_program(M, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """The 128-byte line of each address where mask holds into L2, nothing into registers (PTX prefetch;
+    GPU only)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _start_swap(w_ptr, rows, offs_n, word_rows, N, PDL: tl.constexpr):
+    """A swap tile's start under PDL (_pdl_triton): the next kernel released, the first K tile's words
+    (word rows `rows`, outputs offs_n) prefetched into L2, a line each, then the wait for the kernel before.
+    Prefetched rather than loaded as the GEMVs' are, so the loads stay in the loop Triton pipelines."""
+    if PDL:
+        release_dependents(PDL)
+        line = (offs_n % 32 == 0) & (offs_n < N)  # 32 words of 4 bytes: one address per line
+        _prefetch_l2(w_ptr + rows[:, None] * N + offs_n[None, :], (rows[:, None] < word_rows) & line[None, :])
+        wait_for_inputs(PDL)
+
+
+@triton.jit
 def _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC: tl.constexpr,
                 FINISH: tl.constexpr):
     """y^T's tile [BN, BM] into y [M, N] (_store_tile)."""
@@ -520,8 +540,8 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
-    start_dependent(PDL)
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
+    _start_swap(w_ptr, k_begin // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, PDL)
     if ROWS == 16:
         x_cols = r
     else:
@@ -567,12 +587,11 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     """The swap tile (wna16_swap_dot_kernel's products) reading x as it is: a K tile's inputs are one
     load [R, BM, P] (P consecutive inputs per thread, vectorized), sliced per value position in
     registers (_value_slices), and loaded a tile ahead by hand; no permuted copy of x per call, and no
-    load of x between the products. With PDL it waits for the kernel before at its start: loading the
-    first weight tile before the wait (as the GEMVs do) would take it out of the loop Triton pipelines."""
+    load of x between the products."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
-    start_dependent(PDL)
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
+    _start_swap(w_ptr, k_begin // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, PDL)
     inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
     x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
     word_rows = tl.cdiv(K, PER_WORD)
