@@ -29,8 +29,9 @@ weight for PyTorch's own decode kernel; the sweeps found it faster at no row cou
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
 Under programmatic dependent launch (kernels.dependent_launch, QUANTSHIP_PDL=1) the GEMVs load their
-first K tile's words and scales before waiting for the kernel before, and the dequantize pass waits
-only before its stores: weights are never written during a step, x and the outputs may be.
+first K tile's words and scales before waiting for the kernel before, the swap tiles prefetch their
+first tile's words into L2, and the dequantize pass waits only before its stores: weights are never
+written during a step, x and the outputs may be.
 """
 
 from __future__ import annotations
