@@ -743,19 +743,22 @@ def quick_rerun_note(suffix: str) -> list[str]:
         if not path.exists():
             continue
         for x in json.loads(path.read_text()):
-            if "batch" in x:
-                w4, bf16 = x.get("anatomy_w4a16") or {}, x.get("anatomy_bf16") or {}
-                first = x.get("first_token_ms")
-                ratios = [f"{bf16[k] / w4[k]:.2f}x" if w4.get(k) and bf16.get(k) else "-" for k in ("step_ms", "replay_ms")]
-                rows.append([label, x["batch"], f"{x['w4a16_tok_s']:.1f}", f"{x['bf16_tok_s']:.1f}",
-                             f"{x['w4a16_tok_s'] / x['bf16_tok_s']:.2f}x", *ratios,
-                             f"{first['w4a16']:.1f} / {first['bf16']:.1f}" if first else "-"])
-            elif "ablation" in x:
+            for side in ("", "_pdl"):  # a quick --pdl run has each side with programmatic dependent launch on too
+                w4_name, bf16_name, named = f"w4a16{side}", f"bf16{side}", label + (", PDL on" if side else "")
+                if "batch" in x and f"{w4_name}_tok_s" in x:
+                    w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
+                    first = x.get("first_token_ms")
+                    ratios = [f"{bf16[k] / w4[k]:.2f}x" if w4.get(k) and bf16.get(k) else "-"
+                              for k in ("step_ms", "replay_ms")]
+                    rows.append([named, x["batch"], f"{x[f'{w4_name}_tok_s']:.1f}", f"{x[f'{bf16_name}_tok_s']:.1f}",
+                                 f"{x[f'{w4_name}_tok_s'] / x[f'{bf16_name}_tok_s']:.2f}x", *ratios,
+                                 f"{first[w4_name]:.1f} / {first[bf16_name]:.1f}" if first else "-"])
+                elif "ttft" in x and w4_name in x["ttft"]:
+                    w4_s, bf16_s = x["ttft"][w4_name]["ours_s"], x["ttft"][bf16_name]["ours_s"]
+                    rows.append([named, "TTFT 2048", f"{w4_s * 1e3:.1f} ms", f"{bf16_s * 1e3:.1f} ms",
+                                 f"{bf16_s / w4_s:.2f}x", "", "", ""])
+            if "ablation" in x:
                 levers += [[label, *row] for row in ablation_rows(x["ablation"])]
-            else:
-                rows.append([label, "TTFT 2048", f"{x['ttft']['w4a16']['ours_s'] * 1e3:.1f} ms",
-                             f"{x['ttft']['bf16']['ours_s'] * 1e3:.1f} ms",
-                             f"{x['ttft']['bf16']['ours_s'] / x['ttft']['w4a16']['ours_s']:.2f}x", "", "", ""])
     if not rows:
         return []
     header = ["code", "batch", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "decode step, bf16 / W4A16",
@@ -764,7 +767,10 @@ def quick_rerun_note(suffix: str) -> list[str]:
             "tok/s covers the whole run, the prompts' prefill included; the decode-step column is the engine's decode "
             "step alone (step_anatomy: 32 decode-only steps after a 64-token prompt), the last the run with one "
             "new token per request (median of 3), where recorded: the prefill ran eagerly, host-bound, in the runs "
-            "before graphs of prompt chunks.", ""] + ([
+            "before graphs of prompt chunks. The code now also adds each MLP's residual step inside the next "
+            "layer's norm (one launch fewer per layer, both sides alike) and has programmatic dependent launch "
+            "as an option (`QUANTSHIP_PDL=1`, `quick --pdl` times it); lines without \"PDL on\" that predate "
+            "stop 40 have neither.", ""] + ([
             "Batch 1 under each of the engine's host-time levers (`quick --ablate`, the same run, settings alternating; "
             "tok/s with the 128-token prefill):", "",
             table(["code", "setting", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "first token, W4A16 / bf16 ms"],

@@ -205,8 +205,8 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
         print({key: (f"{v:.3g}" if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
         if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
             reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
+            entry = wna16.choose_blocks(m)  # the table's entry, both ways, is timed in any sweep
             for blocks in dict.fromkeys(candidates(m)):  # the table's entry may be a candidate too
-                entry = wna16.choose_blocks(m)  # the table's entry, both ways, is timed in any sweep
                 if kinds and blocks.kind not in kinds and blocks not in (entry, replace(entry, finish=False)):
                     continue
                 try:

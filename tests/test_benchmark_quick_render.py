@@ -1,0 +1,31 @@
+"""benchmarks/engine_throughput.py's table of quick re-runs: a `quick --pdl` run's sides with programmatic
+dependent launch on get rows of their own beside the plain ones. No GPU: the run's JSON is made up here."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+engine_throughput = pytest.importorskip("engine_throughput")
+
+
+def test_a_pdl_run_renders_both_settings(monkeypatch, tmp_path):
+    anatomy = {"step_ms": 2.0, "replay_ms": 2.0}
+    run = [{"batch": 1, "w4a16_tok_s": 300.0, "bf16_tok_s": 150.0, "w4a16_pdl_tok_s": 360.0,
+            "bf16_pdl_tok_s": 160.0, "first_token_ms": {"w4a16": 13.0, "bf16": 7.0, "w4a16_pdl": 12.0,
+                                                       "bf16_pdl": 6.5},
+            "anatomy_w4a16": anatomy, "anatomy_bf16": {"step_ms": 5.0, "replay_ms": 5.0},
+            "anatomy_w4a16_pdl": {"step_ms": 1.6, "replay_ms": 1.6},
+            "anatomy_bf16_pdl": {"step_ms": 4.8, "replay_ms": 4.8}},
+           {"ttft": {name: {"ours_s": s} for name, s in (("w4a16", 0.072), ("bf16", 0.070), ("w4a16_pdl", 0.070),
+                                                         ("bf16_pdl", 0.070))}}]
+    (tmp_path / "engine_quick_gpu_made_up.json").write_text(json.dumps(run))
+    monkeypatch.setattr(engine_throughput, "RESULTS", tmp_path)
+    monkeypatch.setattr(engine_throughput, "QUICK_RUNS", {"": {"made up": "_made_up"}})
+    text = "\n".join(engine_throughput.quick_rerun_note(""))
+    assert "| made up | 1 | 300.0 | 150.0 | 2.00x | 2.50x | 2.50x | 13.0 / 7.0 |" in text
+    assert "| made up, PDL on | 1 | 360.0 | 160.0 | 2.25x | 3.00x | 3.00x | 12.0 / 6.5 |" in text
+    assert "| made up | TTFT 2048 | 72.0 ms | 70.0 ms | 0.97x |" in text
+    assert "| made up, PDL on | TTFT 2048 | 70.0 ms | 70.0 ms | 1.00x |" in text
