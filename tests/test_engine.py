@@ -336,6 +336,34 @@ def test_chunk_batch_built_on_the_device_equals_the_host_build():
         assert torch.equal(made.key_slots[s, :start + count], built.key_slots[s, :start + count])
 
 
+def test_equal_chunks_attend_causally_without_the_mask():
+    """Where every sequence of a step computes the same positions with no padded keys (one prompt's chunk,
+    or equal prompts), the batch marks itself causal, and attention through that path (SDPA's flash kernel
+    on the GPU) equals attention under the batch's mask; any unequal start, count or padded key keeps the mask."""
+    from dataclasses import replace
+
+    from quantship.models.paged import PagedBatch
+
+    kv, block, cpu = [torch.zeros(40 * 4, 8)], 4, torch.device("cpu")
+    torch.manual_seed(0)
+    for starts, counts in (([0], [9]), ([5], [7]), ([3, 3, 3], [6, 6, 6]), ([12, 12], [1, 1])):
+        batch, _ = PagedBatch.build(kv, [[1, 2, 3, 4, 5]] * len(starts), starts, counts, block, cpu)
+        assert batch.causal
+        keys = starts[0] + counts[0]
+        q = torch.randn(len(starts), 4, counts[0], 16, dtype=DTYPE)
+        k, v = (torch.randn(len(starts), 4, keys, 16, dtype=DTYPE) for _ in range(2))
+        fast = batch.attention(q, k, v, 0.25)
+        torch.testing.assert_close(fast, replace(batch, causal=False).attention(q, k, v, 0.25), rtol=1e-9, atol=1e-9)
+        future = k.clone()
+        future[:, :, -1] += 1  # the last key: only the last query may see it
+        moved = batch.attention(q, future, v, 0.25)
+        assert torch.equal(moved[:, :, :-1], fast[:, :, :-1]) and not torch.equal(moved[:, :, -1], fast[:, :, -1])
+    tables = [[1, 2, 3, 4, 5]] * 2
+    for starts, counts, key_len in (([0, 2], [6, 6], None), ([3, 3], [6, 5], None), ([0], [9], 16)):
+        batch, _ = PagedBatch.build(kv, tables[:len(starts)], starts, counts, block, cpu, key_len, split=False)
+        assert not batch.causal, (starts, counts, key_len)
+
+
 class _EagerGraph:
     """A CUDA graph's stand-in on CPU: capture runs forward once, replay runs it again into the output."""
 
