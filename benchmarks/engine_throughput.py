@@ -518,12 +518,12 @@ def ablation(models: dict, config, prompt_len: int = 128, new_tokens: int = 64) 
 
 
 @contextlib.contextmanager
-def pdl_setting(on: bool | None):
-    """Programmatic dependent launch on or off (None: as the environment has it) for the kernels launched,
-    and graphs captured, inside."""
+def pdl_setting(on: bool | str | None):
+    """Programmatic dependent launch on or off (None: as the environment has it; a string: that
+    QUANTSHIP_PDL value) for the kernels launched, and graphs captured, inside."""
     before = os.environ.get("QUANTSHIP_PDL")
     if on is not None:
-        os.environ["QUANTSHIP_PDL"] = "1" if on else "0"
+        os.environ["QUANTSHIP_PDL"] = on if isinstance(on, str) else "1" if on else "0"
     try:
         yield
     finally:
@@ -555,8 +555,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
                           kv_cache_bytes=(4 if pdl and most <= 32 else 8) << 30)
     # with `pdl` the plain sides run with it off, whatever the default
     sides = {"w4a16": (w4, False if pdl else None), "bf16": (ours, False if pdl else None)}
-    if pdl:
-        sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True)}
+    if pdl:  # bf16 has no swap tiles: its side with PDL on but them is bf16_pdl
+        sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "no-tiles")}
 
     def timed(name, *args):
         model, on = sides[name]
@@ -747,8 +747,11 @@ def quick_rerun_note(suffix: str) -> list[str]:
         if not path.exists():
             continue
         for x in json.loads(path.read_text()):
-            for side in ("", "_pdl"):  # a quick --pdl run has each side with programmatic dependent launch on too
-                w4_name, bf16_name, named = f"w4a16{side}", f"bf16{side}", label + (", PDL on" if side else "")
+            # a quick --pdl run has each side with programmatic dependent launch on too, and W4A16 with it on
+            # for all but the swap tiles (against bf16 with it on)
+            for side, bf16_name, note in (("", "bf16", ""), ("_pdl", "bf16_pdl", ", PDL on"),
+                                          ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles")):
+                w4_name, named = f"w4a16{side}", label + note
                 if "batch" in x and f"{w4_name}_tok_s" in x:
                     w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
                     first = x.get("first_token_ms")

@@ -14,19 +14,23 @@ engine_throughput = pytest.importorskip("engine_throughput")
 def test_a_pdl_run_renders_both_settings(monkeypatch, tmp_path):
     anatomy = {"step_ms": 2.0, "replay_ms": 2.0}
     run = [{"batch": 1, "w4a16_tok_s": 300.0, "bf16_tok_s": 150.0, "w4a16_pdl_tok_s": 360.0,
-            "bf16_pdl_tok_s": 160.0, "first_token_ms": {"w4a16": 13.0, "bf16": 7.0, "w4a16_pdl": 12.0,
-                                                       "bf16_pdl": 6.5},
+            "bf16_pdl_tok_s": 160.0, "w4a16_pdl_no_tiles_tok_s": 400.0,
+            "first_token_ms": {"w4a16": 13.0, "bf16": 7.0, "w4a16_pdl": 12.0, "bf16_pdl": 6.5, "w4a16_pdl_no_tiles": 12.5},
             "anatomy_w4a16": anatomy, "anatomy_bf16": {"step_ms": 5.0, "replay_ms": 5.0},
             "anatomy_w4a16_pdl": {"step_ms": 1.6, "replay_ms": 1.6},
-            "anatomy_bf16_pdl": {"step_ms": 4.8, "replay_ms": 4.8}},
+            "anatomy_bf16_pdl": {"step_ms": 4.8, "replay_ms": 4.8},
+            "anatomy_w4a16_pdl_no_tiles": {"step_ms": 1.2, "replay_ms": 1.5}},
            {"ttft": {name: {"ours_s": s, "transformers_s": 0.063}
-                     for name, s in (("w4a16", 0.072), ("bf16", 0.070), ("w4a16_pdl", 0.070), ("bf16_pdl", 0.070))}}]
+                     for name, s in (("w4a16", 0.072), ("bf16", 0.070), ("w4a16_pdl", 0.070), ("bf16_pdl", 0.070),
+                                                      ("w4a16_pdl_no_tiles", 0.063))}}]
     (tmp_path / "engine_quick_gpu_made_up.json").write_text(json.dumps(run))
     monkeypatch.setattr(engine_throughput, "RESULTS", tmp_path)
     monkeypatch.setattr(engine_throughput, "QUICK_RUNS", {"": {"made up": "_made_up"}})
     text = "\n".join(engine_throughput.quick_rerun_note(""))
     assert "| made up | 1 | 300.0 | 150.0 | 2.00x | 2.50x | 2.50x | 13.0 / 7.0 |" in text
     assert "| made up, PDL on | 1 | 360.0 | 160.0 | 2.25x | 3.00x | 3.00x | 12.0 / 6.5 |" in text
+    assert "| made up, PDL on but the swap tiles | 1 | 400.0 | 160.0 | 2.50x | 4.00x | 3.20x | 12.5 / 6.5 |" in text
+    assert "| made up, PDL on but the swap tiles | TTFT 2048 | 63.0 ms | 70.0 ms | 1.11x |" in text
     assert "| made up | TTFT 2048 | 72.0 ms | 70.0 ms | 0.97x |  |  | transformers bf16 63.0 ms: W4A16 0.88x" in text
     assert "| made up, PDL on | TTFT 2048 | 70.0 ms | 70.0 ms | 1.00x |  |  | transformers bf16 63.0 ms: W4A16 " \
         "0.90x, bf16 0.90x of its speed |" in text

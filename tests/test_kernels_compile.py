@@ -171,3 +171,13 @@ def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
         assert dependent_launch(torch.zeros(1, device="cuda")) == ({"PDL": True, "launch_pdl": True} if on else off)
         monkeypatch.setenv("QUANTSHIP_PDL", "0")
         assert dependent_launch(torch.zeros(1, device="cuda")) == off
+
+
+@pytest.mark.parametrize("setting, kernels, tiles", [("1", True, True), ("no-tiles", True, False), ("0", False, False),
+                                                     ("", False, False), ("yes", False, False)])
+def test_pdl_settings_say_which_kernels(monkeypatch, setting, kernels, tiles):
+    """QUANTSHIP_PDL=1 asks PDL for every kernel, =no-tiles for all but the swap tiles; anything else for none."""
+    from quantship.kernels import pdl_asked
+
+    monkeypatch.setenv("QUANTSHIP_PDL", setting)
+    assert pdl_asked() == kernels and pdl_asked(tile=True) == tiles

@@ -21,13 +21,21 @@ def on_gpu_kernel(x: torch.Tensor) -> bool:
 _DEPENDENT_LAUNCH: dict[int, bool] = {}
 
 
-def dependent_launch(x: torch.Tensor) -> dict:
+def pdl_asked(tile: bool = False) -> bool:
+    """Whether QUANTSHIP_PDL asks for programmatic dependent launch for a kernel (dependent_launch)."""
+    setting = os.environ.get("QUANTSHIP_PDL")
+    return setting == "1" or (setting == "no-tiles" and not tile)
+
+
+def dependent_launch(x: torch.Tensor, tile: bool = False) -> dict:
     """Launch options of a kernel working on x: programmatic dependent launch (PDL, _pdl_triton.py) where
-    QUANTSHIP_PDL=1 asks for it and the GPU has it (compute capability 9.0 and later), so inside a decode
-    step's CUDA graph each kernel's launch and weight loads overlap the kernel before. Off by default until
-    it is measured on a GPU (`benchmarks/engine_throughput.py quick --pdl`); CI checks what it compiles to."""
+    QUANTSHIP_PDL asks for it and the GPU has it (compute capability 9.0 and later), so inside a decode
+    step's CUDA graph each kernel's launch and weight loads overlap the kernel before. QUANTSHIP_PDL=1: every
+    kernel; =no-tiles: all but the W4A16 swap tiles (`tile`, the multi-row kernels of batch 2-64), which
+    measured slower with it at batch 16 on an H100 while the GEMVs gained. Off by default until measured on
+    a GPU (`benchmarks/engine_throughput.py quick --pdl`); CI checks what it compiles to."""
     on = False
-    if x.is_cuda and os.environ.get("QUANTSHIP_PDL") == "1":
+    if x.is_cuda and pdl_asked(tile):
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if index not in _DEPENDENT_LAUNCH:
             _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9

@@ -363,7 +363,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     sums, counters = workspace or (y, y)
     common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
                   BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-                  **dependent_launch(x))
+                  **dependent_launch(x, tile=not gemv))
     grid = (*grid, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
             group_size, per_split)
