@@ -677,7 +677,8 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 39: the K/V cache write a program per head": "_stop39_kv_write",
+    "": {"H100, stop 41: prefill attention says causal to SDPA, the MLP's residual step in the next norm": "_stop41_pdl",
+         "H100, stop 39: the K/V cache write a program per head": "_stop39_kv_write",
          "H100, stop 39 before it: GEMVs load x's tile once, SwiGLU's product made in the down GEMV": "_stop39",
          "H100: swap_x from 2 to 16 rows": "_swap_x",
          "H100, the same machine: the swap tile at 16 rows (batch 16 only)": "_swap_dot_h100",

@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 from quantship.kernels import _elementwise_triton as elementwise, _fused_moe_triton as moe
 from quantship.kernels import _paged_attention_triton as attention, _routing_triton as routing
 from quantship.kernels import _wna16_triton as wna16
+from quantship.kernels import PLAIN_ROUNDING
 
 def compile(fn, signature, constexprs, before_wait=None):
     # Kernels that take programmatic dependent launch compile as the GPU launches them: with it on; the
@@ -27,9 +28,14 @@ def compile(fn, signature, constexprs, before_wait=None):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl})
+    # The kernels that rotate (rope) launch with PLAIN_ROUNDING: no bf16 FMA may stand for torch's product
+    # and subtraction, each rounded.
+    rotates = constexprs.get("ROTATE", fn.__name__ in ("rope_kernel", "kv_write_kernel", "latent_write_kernel"))
+    options = dict(PLAIN_ROUNDING if rotates else {}, launch_pdl=pdl)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
     ptx = kernel.asm["ptx"]
+    assert not rotates or "fma.rn.bf16" not in ptx, fn.__name__
     assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == pdl, fn.__name__
     if before_wait:
         assert ptx.index(before_wait) < ptx.index("griddepcontrol.wait"), (fn.__name__, before_wait)

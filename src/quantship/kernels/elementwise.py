@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantship.kernels import dependent_launch
+from quantship.kernels import PLAIN_ROUNDING, dependent_launch
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,7 +106,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device).transpose(0, 1)
     rope_kernel[(heads, t)](x3, cos, sin, out, d // 2, x3.stride(0), x3.stride(1), cos.stride(0), out.stride(0),
                             out.stride(1), INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(d // 2),
-                            num_warps=1, **dependent_launch(x))
+                            num_warps=1, **PLAIN_ROUNDING, **dependent_launch(x))
     return out if x.dim() == 3 else out[0]
 
 
@@ -141,7 +141,7 @@ def latent_write(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
                                             kv.shape[1], eps, RANK=rank, HALF=half, INTERLEAVED=interleaved,
                                             BLOCK_R=triton.next_power_of_2(rank),
                                             BLOCK_P=triton.next_power_of_2(half), num_warps=4,
-                                            **dependent_launch(latent))
+                                            **PLAIN_ROUNDING, **dependent_launch(latent))
 
 
 def reference_kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
@@ -173,4 +173,4 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     kv_write_kernel[(n, heads)](k, v, cos, sin, kv, slots, k.stride(0), k.stride(1), v.stride(0), cos.stride(0),
                                 kv.shape[1], KV_HEADS=heads, HALF=dim // 2, INTERLEAVED=interleaved,
                                 BLOCK_P=triton.next_power_of_2(dim // 2), BLOCK_D=triton.next_power_of_2(dim),
-                                num_warps=1, **dependent_launch(k))
+                                num_warps=1, **PLAIN_ROUNDING, **dependent_launch(k))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from quantship.kernels import dependent_launch
+from quantship.kernels import PLAIN_ROUNDING, dependent_launch
 
 
 def supports(head_dim: int, heads: int, kv_heads: int) -> bool:
@@ -74,7 +74,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tens
         q, cos, sin, cache, key_slots, lengths, out, part, stats, q.stride(0), q.stride(1), cos.stride(0),
         key_slots.stride(0), cache.shape[1], scale, keys_per_split, GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_HALF=max(16, dim // 2), BLOCK_N=block_n,
-        SPLIT=splits > 1, ROTATE=rope is not None, INTERLEAVED=interleaved, **dependent_launch(q))
+        SPLIT=splits > 1, ROTATE=rope is not None, INTERLEAVED=interleaved, **(PLAIN_ROUNDING if rope is not None else {}),
+        **dependent_launch(q))
     return _combine(part, stats, out, splits)
 
 
@@ -125,7 +126,8 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.
         q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cos.stride(0), key_slots.stride(0), cache.shape[1],
         heads, scale, keys_per_split, RANK=rank, HALF=half, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=splits > 1,
-        ROTATE=rope is not None, INTERLEAVED=interleaved, **dependent_launch(q_latent))
+        ROTATE=rope is not None, INTERLEAVED=interleaved, **(PLAIN_ROUNDING if rope is not None else {}),
+        **dependent_launch(q_latent))
     return _combine(part, stats, out, splits)
 
 
