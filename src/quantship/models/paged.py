@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from quantship.kernels import on_gpu_kernel, paged_attention
 from quantship.models.config import ModelConfig
@@ -63,9 +62,11 @@ class PagedBatch:
     key_slots: torch.Tensor | None  # [S, K] cache slot of each sequence's keys, positions 0..K-1
     mask: torch.Tensor | None  # [S, 1, Q, K] bool: causal and within the sequence's context
     key_lengths: torch.Tensor | None  # [S] int32: keys each sequence's last query sees (its context after the step)
-    # True where `mask` is the causal mask aligned at the bottom right for every sequence alike (equal starts
-    # and counts, no padded keys: a single prompt's chunk, or equal prompts), so attention can say so instead
-    # of passing the mask: SDPA's flash kernel takes no mask, and with one the masked half is computed too.
+    # True where `mask` is the plain causal mask for every sequence (each computes its positions 0 .. Q-1 and
+    # sees no padded key: a prompt prefilled whole, or equal prompts), so attention can say so instead of
+    # passing the mask: SDPA's flash kernel takes no mask, and with one the masked half is computed too. (A
+    # later chunk's mask is causal from the bottom right; torch.nn.attention.bias says that, but importing
+    # it imports the compiler, a second of a server's time.)
     causal: bool = False
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     # (part, first flat token, end): consecutive sequences that all decode, or all prefill chunks.
@@ -136,12 +137,9 @@ class PagedBatch:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [S, H, Q, D] over k/v [S, H, K, *] under this step's causal-and-length mask."""
         with sdpa_kernel(ATTENTION_BACKENDS):
-            if not self.causal:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
-            queries, keys = q.shape[2], k.shape[2]
-            if queries == keys:  # from position 0: the plain causal mask
+            if self.causal:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(queries, keys), scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
 
     def shared_attention(self, q: torch.Tensor, context: torch.Tensor, value_width: int, scale: float,
                          fold: bool | None = None) -> torch.Tensor:
@@ -202,7 +200,7 @@ class PagedBatch:
         mask = kpos[None, None, :] <= query_positions[:, :, None]
         slots = key_slots.gather(1, query_positions)[query_valid]
         unpad_index = query_valid.flatten().nonzero()[:, 0]
-        causal = len(set(starts)) == 1 and len(set(counts)) == 1 and k == starts[0] + counts[0]
+        causal = set(starts) == {0} and len(set(counts)) == 1 and k == counts[0]
         batch = cls(kv, slots.to(device), query_index.to(device), query_valid.to(device), unpad_index.to(device),
                     key_slots.to(device), mask[:, None].to(device), (start + count).to(torch.int32).to(device),
                     causal=causal)
