@@ -677,7 +677,8 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 41: prefill attention says causal to SDPA, the MLP's residual step in the next norm": "_stop41_pdl",
+    "": {"H100, stop 41: prefill attention says causal to SDPA, the MLP's residual step in the next norm (swap "
+         "tiles under PDL release at their start)": "_stop41_pdl",
          "H100, stop 39: the K/V cache write a program per head": "_stop39_kv_write",
          "H100, stop 39 before it: GEMVs load x's tile once, SwiGLU's product made in the down GEMV": "_stop39",
          "H100: swap_x from 2 to 16 rows": "_swap_x",
@@ -778,10 +779,10 @@ def quick_rerun_note(suffix: str) -> list[str]:
             "tok/s covers the whole run, the prompts' prefill included; the decode-step column is the engine's decode "
             "step alone (step_anatomy: 32 decode-only steps after a 64-token prompt), the last the run with one "
             "new token per request (median of 3), where recorded: the prefill ran eagerly, host-bound, in the runs "
-            "before graphs of prompt chunks. The code now also adds each MLP's residual step inside the next "
-            "layer's norm (one launch fewer per layer, both sides alike) and has programmatic dependent launch "
-            "as an option (`QUANTSHIP_PDL=1`, `quick --pdl` times it); lines without \"PDL on\" that predate "
-            "stop 40 have neither.", ""] + ([
+            "before graphs of prompt chunks. Lines from stop 41 on add each MLP's residual step inside the next "
+            "layer's norm (one launch fewer per layer, both sides alike); their \"PDL on\" rows launch with "
+            "programmatic dependent launch (`QUANTSHIP_PDL=1`, `quick --pdl`), where the swap tiles released "
+            "the next kernel at their start in the line labelled so and after their K loop since.", ""] + ([
             "Batch 1 under each of the engine's host-time levers (`quick --ablate`, the same run, settings alternating; "
             "tok/s with the 128-token prefill):", "",
             table(["code", "setting", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "first token, W4A16 / bf16 ms"],
