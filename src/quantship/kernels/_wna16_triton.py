@@ -505,13 +505,11 @@ def _prefetch_l2(ptrs, mask):
 
 @triton.jit
 def _start_swap(w_ptr, rows, offs_n, word_rows, N, PDL: tl.constexpr):
-    """A swap tile's start under PDL (_pdl_triton): the first K tile's words (word rows `rows`, outputs
-    offs_n) prefetched into L2, a line each, then the wait for the kernel before. Prefetched rather than
-    loaded as the GEMVs' are, so the loads stay in the loop Triton pipelines. The next kernel is released
-    only after the K loop (_store_swap): released at the start, the W4A16 decode step at batch 16 took 6%
-    longer on an H100 than without PDL. The likely cause, not profiled: kernels launched early sit waiting
-    on SMs whose registers and shared memory the tiles' later programs need."""
+    """A swap tile's start under PDL (_pdl_triton): the next kernel released, the first K tile's words
+    (word rows `rows`, outputs offs_n) prefetched into L2, a line each, then the wait for the kernel before.
+    Prefetched rather than loaded as the GEMVs' are, so the loads stay in the loop Triton pipelines."""
     if PDL:
+        release_dependents(PDL)
         line = (offs_n % 32 == 0) & (offs_n < N)  # 32 words of 4 bytes: one address per line
         _prefetch_l2(w_ptr + rows[:, None] * N + offs_n[None, :], (rows[:, None] < word_rows) & line[None, :])
         wait_for_inputs(PDL)
@@ -519,9 +517,8 @@ def _start_swap(w_ptr, rows, offs_n, word_rows, N, PDL: tl.constexpr):
 
 @triton.jit
 def _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC: tl.constexpr,
-                FINISH: tl.constexpr, PDL: tl.constexpr):
-    """y^T's tile [BN, BM] into y [M, N] (_store_tile), the next kernel released first (PDL)."""
-    release_dependents(PDL)
+                FINISH: tl.constexpr):
+    """y^T's tile [BN, BM] into y [M, N] (_store_tile)."""
     offsets = offs_m[None, :] * N + offs_n[:, None]
     _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
                 tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.cdiv(K, k_per_split), ATOMIC, FINISH)
@@ -566,7 +563,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
             acc += part
         else:
             acc += part * scale
-    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH, PDL)
+    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
 
 @triton.jit
@@ -606,7 +603,7 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
         acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size, BITS,
                              HAS_ZERO, SPANS, EVEN_K)
         xs = xs_next
-    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH, PDL)
+    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
 
 @triton.jit
