@@ -231,6 +231,7 @@ def agreement_on_bundled(out: Path, steps: int = 512, device: str = "cuda") -> d
     with torch.inference_mode():
         result = {"model": "bundled tiny DeepSeek-V3 (trained)",
                   "device": torch.cuda.get_device_name() if device == "cuda" else device,
+                  "pdl": os.environ.get("QUANTSHIP_PDL", "default"),
                   **greedy_agreement(w4, w4, model.config.vocab_size, steps=steps, ids=ids)}
     print(result, flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -519,11 +520,14 @@ def ablation(models: dict, config, prompt_len: int = 128, new_tokens: int = 64) 
 
 @contextlib.contextmanager
 def pdl_setting(on: bool | str | None):
-    """Programmatic dependent launch on or off (None: as the environment has it; a string: that
-    QUANTSHIP_PDL value) for the kernels launched, and graphs captured, inside."""
+    """Programmatic dependent launch for the kernels launched, and graphs captured, inside: off (False),
+    on for every kernel (True), the default ("default": every kernel but the tiles, kernels.dependent_launch),
+    or as the environment has it (None)."""
     before = os.environ.get("QUANTSHIP_PDL")
-    if on is not None:
-        os.environ["QUANTSHIP_PDL"] = on if isinstance(on, str) else "1" if on else "0"
+    if on == "default":
+        os.environ.pop("QUANTSHIP_PDL", None)
+    elif on is not None:
+        os.environ["QUANTSHIP_PDL"] = "1" if on else "0"
     try:
         yield
     finally:
@@ -536,8 +540,9 @@ def pdl_setting(on: bool | str | None):
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
-    tokens): a short check between full runs. `pdl`: each side with programmatic dependent launch off and
-    on (the *_pdl entries), alternating, to measure what it gives."""
+    tokens): a short check between full runs, with programmatic dependent launch as the environment has
+    it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
+    (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -556,7 +561,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     # with `pdl` the plain sides run with it off, whatever the default
     sides = {"w4a16": (w4, False if pdl else None), "bf16": (ours, False if pdl else None)}
     if pdl:  # bf16 has no swap tiles: its side with PDL on but them is bf16_pdl
-        sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "no-tiles")}
+        sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "default")}
 
     def timed(name, *args):
         model, on = sides[name]
@@ -677,7 +682,9 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 41: prefill attention says causal to SDPA, the MLP's residual step in the next norm (swap "
+    "": {"H100, stop 41, later: the rotations without FP contraction; under PDL the swap tiles released "
+         "after their K loop (reverted since)": "_stop41_pdl_late",
+         "H100, stop 41: prefill attention says causal to SDPA, the MLP's residual step in the next norm (swap "
          "tiles under PDL release at their start)": "_stop41_pdl",
          "H100, stop 39: the K/V cache write a program per head": "_stop39_kv_write",
          "H100, stop 39 before it: GEMVs load x's tile once, SwiGLU's product made in the down GEMV": "_stop39",
@@ -780,9 +787,10 @@ def quick_rerun_note(suffix: str) -> list[str]:
             "step alone (step_anatomy: 32 decode-only steps after a 64-token prompt), the last the run with one "
             "new token per request (median of 3), where recorded: the prefill ran eagerly, host-bound, in the runs "
             "before graphs of prompt chunks. Lines from stop 41 on add each MLP's residual step inside the next "
-            "layer's norm (one launch fewer per layer, both sides alike); their \"PDL on\" rows launch with "
-            "programmatic dependent launch (`QUANTSHIP_PDL=1`, `quick --pdl`), where the swap tiles released "
-            "the next kernel at their start in the line labelled so and after their K loop since.", ""] + ([
+            "layer's norm (one launch fewer per layer, both sides alike); their \"PDL on\" rows launch every "
+            "kernel with programmatic dependent launch (`QUANTSHIP_PDL=1`), \"PDL on but the swap tiles\" "
+            "is the default since stop 41 (`quick` without `--pdl` times the default on both sides). Lines "
+            "before stop 41 ran without it.", ""] + ([
             "Batch 1 under each of the engine's host-time levers (`quick --ablate`, the same run, settings alternating; "
             "tok/s with the 128-token prefill):", "",
             table(["code", "setting", "W4A16 tok/s", "bf16 tok/s", "W4A16 / bf16", "first token, W4A16 / bf16 ms"],
@@ -853,7 +861,8 @@ def render() -> None:
                   "`engine_throughput.py agreement`): W4A16 through the kernels against the same weights through "
                   f"dequantize + F.linear, {a['prompts']} prompts from its held-out text x {a['steps']} steps: "
                   f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.2%}, identical prefixes "
-                  f"{a['identical_prefix_tokens']} tokens. "
+                  f"{a['identical_prefix_tokens']} tokens"
+                  + (f" (QUANTSHIP_PDL={a['pdl']})" if "pdl" in a else "") + ". "
                   + (f"Reference: {a['reference']}." if "reference" in a else EARLIER_REFERENCE), ""]
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
               "per-head keys and values.", "", kv_table()]
@@ -887,7 +896,8 @@ def main() -> None:
     q.add_argument("--ablate", action="store_true",
                    help="also batch 1 with decode graphs only, + graphs of prompt chunks, + decode steps run ahead")
     q.add_argument("--pdl", action="store_true",
-                   help="time each side with programmatic dependent launch off and on (*_pdl), alternating")
+                   help="time each side with programmatic dependent launch off, on (*_pdl) and by default "
+                        "(w4a16_pdl_no_tiles), alternating")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)

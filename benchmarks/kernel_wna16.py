@@ -259,8 +259,11 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
               "table": _table_text(BLOCKS_BY_M),
               "errors": errors, "rows": rows, "ranking": ranking, "by_shape": by_shape,
               "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
-              # programmatic dependent launch (QUANTSHIP_PDL=1): a layer's graphed calls overlap each other
+              # programmatic dependent launch (kernels.dependent_launch): a layer's graphed GEMV calls overlap
+              # each other by default; the tiles' only with QUANTSHIP_PDL=1
               "pdl": torch.cuda.is_available() and dependent_launch(torch.empty(0, device="cuda"))["PDL"],
+              "pdl_tiles": torch.cuda.is_available() and dependent_launch(torch.empty(0, device="cuda"),
+                                                                          default_off=True)["PDL"],
               "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

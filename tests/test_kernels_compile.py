@@ -163,8 +163,8 @@ def test_every_kernel_compiles_for_sm90():
 
 
 def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
-    """PDL only where QUANTSHIP_PDL=1 asks for it and the tensor is on a GPU: the interpreter cannot run
-    the wait (a CPU tensor under TRITON_INTERPRET must get PDL off even when asked)."""
+    """PDL only where asked (by default, or QUANTSHIP_PDL=1) and the tensor is on a GPU: the interpreter
+    cannot run the wait (a CPU tensor under TRITON_INTERPRET must get PDL off even when asked)."""
     import torch
 
     from quantship.kernels import dependent_launch
@@ -172,6 +172,9 @@ def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
     off = {"PDL": False}
     monkeypatch.setenv("QUANTSHIP_PDL", "1")
     assert dependent_launch(torch.zeros(1)) == off
+    monkeypatch.delenv("QUANTSHIP_PDL")
+    assert dependent_launch(torch.zeros(1)) == off
+    monkeypatch.setenv("QUANTSHIP_PDL", "1")
     if torch.cuda.is_available():
         on = torch.cuda.get_device_capability()[0] >= 9
         assert dependent_launch(torch.zeros(1, device="cuda")) == ({"PDL": True, "launch_pdl": True} if on else off)
@@ -179,11 +182,15 @@ def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
         assert dependent_launch(torch.zeros(1, device="cuda")) == off
 
 
-@pytest.mark.parametrize("setting, kernels, tiles", [("1", True, True), ("no-tiles", True, False), ("0", False, False),
-                                                     ("", False, False), ("yes", False, False)])
+@pytest.mark.parametrize("setting, kernels, tiles", [(None, True, False), ("", True, False), ("1", True, True),
+                                                     ("0", False, False)])
 def test_pdl_settings_say_which_kernels(monkeypatch, setting, kernels, tiles):
-    """QUANTSHIP_PDL=1 asks PDL for every kernel, =no-tiles for all but the swap tiles; anything else for none."""
+    """PDL by default for every kernel but the swap tiles and the MoE path's (default_off); QUANTSHIP_PDL=1 for
+    every kernel, =0 for none."""
     from quantship.kernels import pdl_asked
 
-    monkeypatch.setenv("QUANTSHIP_PDL", setting)
-    assert pdl_asked() == kernels and pdl_asked(tile=True) == tiles
+    if setting is None:
+        monkeypatch.delenv("QUANTSHIP_PDL", raising=False)
+    else:
+        monkeypatch.setenv("QUANTSHIP_PDL", setting)
+    assert pdl_asked() == kernels and pdl_asked(default_off=True) == tiles

@@ -27,21 +27,25 @@ PLAIN_ROUNDING = {"enable_fp_fusion": False}
 _DEPENDENT_LAUNCH: dict[int, bool] = {}
 
 
-def pdl_asked(tile: bool = False) -> bool:
-    """Whether QUANTSHIP_PDL asks for programmatic dependent launch for a kernel (dependent_launch)."""
+def pdl_asked(default_off: bool = False) -> bool:
+    """Whether QUANTSHIP_PDL asks for programmatic dependent launch for a kernel (dependent_launch): 0 for
+    none, 1 for every kernel, anything else (unset) for every kernel but those `default_off`."""
     setting = os.environ.get("QUANTSHIP_PDL")
-    return setting == "1" or (setting == "no-tiles" and not tile)
+    return setting == "1" or (setting != "0" and not default_off)
 
 
-def dependent_launch(x: torch.Tensor, tile: bool = False) -> dict:
-    """Launch options of a kernel working on x: programmatic dependent launch (PDL, _pdl_triton.py) where
-    QUANTSHIP_PDL asks for it and the GPU has it (compute capability 9.0 and later), so inside a decode
-    step's CUDA graph each kernel's launch and weight loads overlap the kernel before. QUANTSHIP_PDL=1: every
-    kernel; =no-tiles: all but the W4A16 swap tiles (`tile`, the multi-row kernels of batch 2-64), which
-    measured slower with it at batch 16 on an H100 while the GEMVs gained. Off by default until measured on
-    a GPU (`benchmarks/engine_throughput.py quick --pdl`); CI checks what it compiles to."""
+def dependent_launch(x: torch.Tensor, default_off: bool = False) -> dict:
+    """Launch options of a kernel working on x: programmatic dependent launch (PDL, _pdl_triton.py) on a
+    GPU that has it (compute capability 9.0 and later), so inside a decode step's CUDA graph each kernel's
+    launch and weight loads overlap the kernel before. By default for every kernel but those `default_off`:
+    the W4A16 swap tiles of batch 2-64, which made the batch-16 step 6-15% slower with it on an H100, and
+    the dequantize pass and the MoE path's kernels (routing, fused experts), not timed with it. The rest
+    (the GEMVs, norms, rotary, cache writes, SwiGLU, paged attention) made the W4A16 batch-1 step 10-12%
+    faster there and bf16's 1% (`benchmarks/engine_throughput.py quick --pdl`, BENCHMARKS.md), with the
+    same greedy tokens. QUANTSHIP_PDL=0 turns it off, =1 on for every kernel. CI checks what each kernel
+    compiles to with it."""
     on = False
-    if x.is_cuda and pdl_asked(tile):
+    if x.is_cuda and pdl_asked(default_off):
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if index not in _DEPENDENT_LAUNCH:
             _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL, Hopper and later) inside the kernels: kernels.dependent_launch
 says when it is on; with the PDL constexpr False both helpers compile to nothing (the interpreter, GPUs
-before Hopper, QUANTSHIP_PDL not 1).
+before Hopper, QUANTSHIP_PDL=0, the kernels it leaves out by default).
 
 A kernel launched with PDL may start while the kernel before it in the stream is still running. It may
 read what nothing in the step writes (weights, scales) before `wait_for_inputs`, and must read or write

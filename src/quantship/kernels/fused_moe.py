@@ -116,7 +116,8 @@ def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int,
         block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
         experts = 1 << max(4, (num_experts - 1).bit_length())
         align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, slots, num_experts, capacity, BLOCK_M=block_m,
-                           EXPERTS=experts, CHUNK=max(16, 4096 // experts), num_warps=4, **dependent_launch(flat))
+                           EXPERTS=experts, CHUNK=max(16, 4096 // experts), num_warps=4,
+                           **dependent_launch(flat, default_off=True))
         return sorted_ids, block_expert
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
@@ -185,7 +186,7 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     x = x.contiguous()
 
     common = dict(BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, num_warps=blocks.num_warps,
-                  num_stages=blocks.num_stages, **dependent_launch(x))
+                  num_stages=blocks.num_stages, **dependent_launch(x, default_off=True))
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(inter, blocks.block_n)
     per_split, splits = wna16.splits_for(blocks, slots * tiles, hidden, blocks.block_k)
@@ -270,7 +271,7 @@ def _gate_up(b: _Blocks, x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights
         x, *_pointers(gate), *_pointers(up), act, b.sorted_ids, b.block_expert, *(workspace or (act, b.sorted_ids)),
         b.slots, experts[0], experts[1], hidden, inter, b.top_k, max(gate.group_size, 1), per_split, BITS=gate.bits,
         HAS_ZERO=gate.zero is not None, SPANS=_spans(gate, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
-        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch, **dependent_launch(b.sorted_ids))
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch, **dependent_launch(b.sorted_ids, default_off=True))
 
 
 def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Tensor, out: torch.Tensor,
@@ -289,7 +290,7 @@ def _down(b: _Blocks, act: torch.Tensor, down: ExpertWeights, routing: torch.Ten
         act, *_pointers(down), out, b.sorted_ids, b.block_expert, routing, *(workspace or (out, b.sorted_ids)),
         b.slots, experts[0], experts[1], hidden, inter, max(down.group_size, 1), per_split, BITS=down.bits,
         HAS_ZERO=down.zero is not None, SPANS=_spans(down, k_tile), SPLIT=workspace is not None, BLOCK_M=b.block_m,
-        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch, **dependent_launch(b.sorted_ids))
+        BLOCK_N=block_n, BLOCK_K=k_tile, KN=kn, **b.launch, **dependent_launch(b.sorted_ids, default_off=True))
 
 
 def fused_moe(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,

@@ -91,5 +91,5 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, r: Routing) -> tuple[
                        NORMALIZE=r.normalize and r.top_k > 1, HAS_BIAS=bias is not None,
                        GROUPS=triton.next_power_of_2(groups), GROUP_BLOCK=triton.next_power_of_2(group_size),
                        K_BLOCK=triton.next_power_of_2(width), num_warps=1 if experts <= 64 else 2,
-                       **dependent_launch(logits))
+                       **dependent_launch(logits, default_off=True))
     return weights, indices

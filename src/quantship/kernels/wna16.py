@@ -28,10 +28,11 @@ groups. Which runs for which M is a fixed table measured on an H200 and an H100
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
-Under programmatic dependent launch (kernels.dependent_launch, QUANTSHIP_PDL=1) the GEMVs load their
-first K tile's words and scales before waiting for the kernel before, the swap tiles prefetch their
-first tile's words into L2, and the dequantize pass waits only before its stores: weights are never
-written during a step, x and the outputs may be.
+Under programmatic dependent launch (kernels.dependent_launch: the GEMVs by default, the swap tiles and
+the dequantize pass with QUANTSHIP_PDL=1) the GEMVs load their first K tile's words and scales before
+waiting for the kernel before, the swap tiles prefetch their first tile's words into L2, and the
+dequantize pass waits only before its stores: weights are never written during a step, x and the
+outputs may be.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
     grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k), packed.shape[0] if packed.dim() == 3 else 1)
     dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, group_size, BITS=bits,
                             HAS_ZERO=zero is not None, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
-                            num_warps=blocks.num_warps, **dependent_launch(packed))
+                            num_warps=blocks.num_warps, **dependent_launch(packed, default_off=True))
     return out
 
 
@@ -363,7 +364,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     sums, counters = workspace or (y, y)
     common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
                   BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-                  **dependent_launch(x, tile=not gemv))
+                  **dependent_launch(x, default_off=not gemv))
     grid = (*grid, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
             group_size, per_split)
