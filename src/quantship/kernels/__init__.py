@@ -21,7 +21,8 @@ def on_gpu_kernel(x: torch.Tensor) -> bool:
 # Launch option of the kernels that must round as the plain ops do (the rotary embedding: each product and
 # sum rounded to x's dtype): without it the compiler narrows the float32 product of two bf16 numbers to bf16
 # and contracts it with the subtraction after into one bf16 FMA, one rounding where torch makes two (the
-# PTX of Triton 3.9 for sm_90 shows it; on an H100 it moved rotated queries by an ulp).
+# PTX of Triton 3.9 for sm_90 shows it; on an H100 the decode kernel rotating its queries then gave up to
+# 2^-9 off what it gave for queries the rope kernel rotated).
 PLAIN_ROUNDING = {"enable_fp_fusion": False}
 
 _DEPENDENT_LAUNCH: dict[int, bool] = {}
