@@ -1,5 +1,6 @@
 """benchmarks/engine_throughput.py's table of quick re-runs: a `quick --pdl` run's sides with programmatic
-dependent launch on get rows of their own beside the plain ones. No GPU: the run's JSON is made up here."""
+dependent launch on (every kernel, and the default) get rows of their own beside the plain ones, and the
+TTFT rows carry transformers' figure. No GPU: the run's JSON is made up here."""
 
 import json
 import sys
@@ -22,7 +23,7 @@ def test_a_pdl_run_renders_both_settings(monkeypatch, tmp_path):
             "anatomy_w4a16_pdl_no_tiles": {"step_ms": 1.2, "replay_ms": 1.5}},
            {"ttft": {name: {"ours_s": s, "transformers_s": 0.063}
                      for name, s in (("w4a16", 0.072), ("bf16", 0.070), ("w4a16_pdl", 0.070), ("bf16_pdl", 0.070),
-                                                      ("w4a16_pdl_no_tiles", 0.063))}}]
+                                     ("w4a16_pdl_no_tiles", 0.063))}}]
     (tmp_path / "engine_quick_gpu_made_up.json").write_text(json.dumps(run))
     monkeypatch.setattr(engine_throughput, "RESULTS", tmp_path)
     monkeypatch.setattr(engine_throughput, "QUICK_RUNS", {"": {"made up": "_made_up"}})

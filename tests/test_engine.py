@@ -350,9 +350,8 @@ def test_whole_prompts_attend_causally_without_the_mask():
     for starts, counts in (([0], [9]), ([0, 0, 0], [6, 6, 6])):
         batch, _ = PagedBatch.build(kv, [[1, 2, 3, 4, 5]] * len(starts), starts, counts, block, cpu)
         assert batch.causal
-        keys = starts[0] + counts[0]
-        q = torch.randn(len(starts), 4, counts[0], 16, dtype=DTYPE)
-        k, v = (torch.randn(len(starts), 4, keys, 16, dtype=DTYPE) for _ in range(2))
+        # as many keys as queries: each sequence's positions 0 .. Q-1
+        q, k, v = (torch.randn(len(starts), 4, counts[0], 16, dtype=DTYPE) for _ in range(3))
         fast = batch.attention(q, k, v, 0.25)
         torch.testing.assert_close(fast, replace(batch, causal=False).attention(q, k, v, 0.25), rtol=1e-9, atol=1e-9)
         future = k.clone()

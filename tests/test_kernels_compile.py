@@ -170,11 +170,10 @@ def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
     from quantship.kernels import dependent_launch
 
     off = {"PDL": False}
-    monkeypatch.setenv("QUANTSHIP_PDL", "1")
-    assert dependent_launch(torch.zeros(1)) == off
-    monkeypatch.delenv("QUANTSHIP_PDL")
+    monkeypatch.delenv("QUANTSHIP_PDL", raising=False)  # the default, asked for every kernel but the tiles
     assert dependent_launch(torch.zeros(1)) == off
     monkeypatch.setenv("QUANTSHIP_PDL", "1")
+    assert dependent_launch(torch.zeros(1)) == off
     if torch.cuda.is_available():
         on = torch.cuda.get_device_capability()[0] >= 9
         assert dependent_launch(torch.zeros(1, device="cuda")) == ({"PDL": True, "launch_pdl": True} if on else off)
