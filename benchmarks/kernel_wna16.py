@@ -141,7 +141,11 @@ def candidates(m: int):
         # the packed weight once but writes and reads it again dense)
         return out + [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))] + [
             Blocks(kind, 64, bn, bk, 1, 4, 4 if kind == "swap_dot" else 3, rows_first=first)
-            for kind in ("swap_dot", "swap_x") for bn in (64, 128) for bk in (128, 256) for first in (False, True)]
+            for kind in ("swap_dot", "swap_x") for bn in (64, 128) for bk in (128, 256) for first in (False, True)] + [
+            # one product per K tile, two values per instruction: 64 or 128 rows of x a program (a wgmma's N)
+            Blocks("swap_bf16x2", rows, bn, bk, split, warps, 3, rows_first=first)
+            for rows, bn, warps in ((64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 4)) for bk in (64, 128)
+            for split in (1, 2) for first in (False, True) if split == 1 or rows == 128]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -153,6 +157,9 @@ def candidates(m: int):
     # overlap its loads (the H100 profile: 85 µs a 6.7B layer at 16 rows, a third of the bytes' time)
     out += [Blocks("swap_x", rows, bn, bk, split, 4, stages) for bn in (64, 128) for bk in (128, 256, 512)
             for split in (0, 2, 4, 8) for stages in (3, 4)]
+    # one product per K tile, its values two per bf16x2 instruction (about half the swap tiles' instructions)
+    out += [Blocks("swap_bf16x2", rows, bn, bk, split, 4, 3) for bn in (64, 128) for bk in (128, 256)
+            for split in (0, 2, 4, 8)]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out

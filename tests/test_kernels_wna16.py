@@ -155,6 +155,36 @@ def test_swap_tile_reading_x_as_it_is_equals_the_reference(bits, group, symmetri
         assert error < (1e-5 if DEVICE == "cpu" else 3e-3), (blocks, error.item())
 
 
+@pytest.mark.parametrize("bits,group,symmetric,m,n,k", [(4, 128, True, 16, 48, 512), (4, 32, False, 5, 40, 200),
+                                                          (4, 64, True, 33, 24, 320), (4, 1000, False, 3, 16, 1000),
+                                                          (4, 16, True, 4, 32, 96), (8, 64, False, 9, 24, 128)])
+def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
+    """The swap tile with one product per K tile (swap_bf16x2): its words spread to the pair order and x
+    permuted to match must give the reference for odd K (a last tile cut short, words padded), zero points,
+    groups of 32 to per-channel (the tile shrinks to stay inside one), rows masked, K split or not, either
+    grid order. On a GPU with bf16 x its values come two per bf16x2 instruction (PTX the interpreter cannot
+    run), float32 x takes the shifts and masks; groups of 16 and int8 take swap_x's products."""
+    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n * k + m)
+    packed = wna16.pack(values, bits).to(DEVICE)
+    scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, bits, k, group)
+    for dtype in (torch.float32, torch.bfloat16) if DEVICE == "cuda" else (torch.float32,):
+        for blocks in (wna16.Blocks("swap_bf16x2", 16, 32, 256, 0, 4, 2),
+                       wna16.Blocks("swap_bf16x2", 32, 16, 64, 2, 4, 3, rows_first=True),
+                       wna16.Blocks("swap_bf16x2", 16, 64, 128, -1, 4, 2, finish=False)):
+            out = wna16.matmul(x.to(dtype), packed, scale.to(dtype), zero, bits, k, group, blocks=blocks)
+            error = (out.float() - expected).norm() / expected.norm()
+            tolerance = 1e-5 if DEVICE == "cpu" else 1e-2 if dtype == torch.bfloat16 else 3e-3
+            assert out.dtype == dtype and error < tolerance, (dtype, blocks, error.item())
+
+
+def test_pairs_fit_int4_in_groups_of_32_or_more():
+    """swap_bf16x2 takes int4 weights whose K tiles (32 inputs at least) lie inside one group."""
+    assert wna16.pairs_fit(4, 128, 4096) and wna16.pairs_fit(4, 32, 96) and wna16.pairs_fit(4, 1000, 1000)
+    assert not wna16.pairs_fit(8, 128, 4096) and not wna16.pairs_fit(4, 16, 96) and not wna16.pairs_fit(4, 48, 96)
+
+
 @pytest.mark.parametrize("group,symmetric,m,n,k,block_k", [(128, True, 1, 72, 1024, 64), (32, False, 3, 40, 160, 64),
                                                              (64, False, 2, 56, 512, 128), (512, True, 1, 24, 512, 64)])
 def test_bf16x2_gemv_equals_the_reference(group, symmetric, m, n, k, block_k):
@@ -326,7 +356,7 @@ def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
         if m > last:
             assert chosen.kind == "dequantize"
         else:
-            assert chosen.kind in ("swap_dot", "swap_x")
+            assert chosen.kind in ("swap_dot", "swap_x", "swap_bf16x2")
 
 
 @pytest.mark.parametrize("bits,k", [(4, 300), (8, 64), (4, 128)])

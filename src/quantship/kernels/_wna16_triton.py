@@ -12,6 +12,8 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
 - wna16_swap_dot_kernel (33 to 64 rows): y^T = W x^T on tensor cores, one product per value position
   of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
 - wna16_swap_x_kernel (2 to 32 rows): the same products, x read as it is, a K tile ahead.
+- wna16_swap_bf16x2_kernel (int4): the swap tile's operands with one product per K tile, the words spread in
+  registers to a pair order and dequantized two values per bf16x2 instruction, x permuted to match.
 - dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
 The fused MoE reuses these pieces: the GEMV's words / x / product steps for its slot GEMV,
 packed_tile_dot (x's tile of rows gathered per expert as the left operand) for its decode blocks.
@@ -603,6 +605,92 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
         acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size, BITS,
                              HAS_ZERO, SPANS, EVEN_K)
         xs = xs_next
+    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
+
+
+# Two int4 values of one word as bf16x2, minus 8 (the symmetric offset): the word comes shifted so that value a
+# sits at bits 0-3 and value a + 4 at bits 16-19; lop3 ORs each nibble into the mantissa of a bf16 128.0 and the
+# bf16x2 subtraction of 136.0 leaves q - 8, exact. One input, one output (two bf16 in one register): Triton
+# moves the conversion into the tensor-core operand's layout above a unary inline asm, so this runs on the
+# registers the product reads, no shared-memory round trip. $0: the pair; $1, $2: the word, twice.
+_PAIR_BF16X2 = tl.constexpr("""{
+.reg .b32 t, c;
+lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xea;
+mov.b32 c, 0x43084308;
+sub.rn.bf16x2 $0, t, c;
+}""")
+
+
+@triton.jit
+def _pair_words(w, BLOCK_K: tl.constexpr):
+    """A word tile [BN, R] (R a multiple of 4) spread to [BN, BLOCK_K] in the pair order: column
+    kappa = 32b + 16c + 8d + 2t + h holds word 4b + t shifted down 4(2c + d) bits, so that value a = 2c + d
+    (h = 0, bits 0-3) and value a + 4 (h = 1, bits 16-19) of that word sit where _pair_values takes them. The
+    columns a thread holds in a tensor-core operand are (2t, 2t + 1) of each 8: a whole word's 8 values land
+    in one thread, each pair in one register, so the spreading is a register copy (joins of the shifted word
+    tile, a permutation and a reshape; no data moves between threads)."""
+    w3 = tl.reshape(w, [w.shape[0], w.shape[1] // 4, 4])  # [BN, b, t]
+    d0 = tl.join(tl.join(w3, w3), tl.join(w3 >> 4, w3 >> 4))  # [BN, b, t, h, d]: shifted 4d
+    d1 = tl.join(tl.join(w3 >> 8, w3 >> 8), tl.join(w3 >> 12, w3 >> 12))  # shifted 8 + 4d
+    spread = tl.join(d0, d1)  # [BN, b, t, h, d, c]
+    return tl.reshape(tl.permute(spread, (0, 1, 5, 4, 2, 3)), [w.shape[0], BLOCK_K])
+
+
+@triton.jit
+def _pair_values(words, dtype: tl.constexpr, ASM: tl.constexpr):
+    """[BN, BK] values minus 8 in `dtype`, from the pair-ordered words (_pair_words). ASM (bf16 on a GPU):
+    two values per lop3 and bf16x2 subtraction (_PAIR_BF16X2); else the same numbers by shifts and masks
+    (the interpreter, fp16, fp32)."""
+    if ASM:
+        v = tl.inline_asm_elementwise(_PAIR_BF16X2, "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        h = tl.arange(0, words.shape[1]) % 2
+        v = (((words >> (16 * h)[None, :]) & 15) - 8).to(tl.float32).to(dtype)
+    return v
+
+
+@triton.jit
+def _pair_order_x(x, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x's tile [BK, BM] as loaded (input k0 + i at row i, i = 32b + 8t + 4h + 2c + d) reordered to
+    _pair_words' columns (row kappa = 32b + 16c + 8d + 2t + h): a permutation of each 32 inputs, in
+    registers, before the tile goes to shared memory for the product."""
+    x6 = tl.reshape(x, [BLOCK_K // 32, 4, 2, 2, 2, BLOCK_M])  # [b, t, h, c, d, m]
+    return tl.reshape(tl.permute(x6, (0, 3, 4, 1, 2, 5)), [BLOCK_K, BLOCK_M])
+
+
+@triton.jit
+def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
+                             group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                             FINISH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr,
+                             ASM: tl.constexpr, PDL: tl.constexpr):
+    """y^T = W x^T for int4 weights on tensor cores, the weight the left operand as in the swap tiles, with one
+    product per K tile: its words spread in registers to the pair order (_pair_words), dequantized two values
+    per instruction (_pair_values), against x's tile loaded as it is (vectorized, pipelined) and permuted to
+    the same order (_pair_order_x). The swap tiles make a product per value position, each value in float32
+    (and x's slices stored for each); as compiled for sm_90 this takes about half their instructions per K
+    tile. The tile lies in one quantization group (BLOCK_K divides it, or one group spans K); a zero point
+    is taken off the tile's sum (times the sum of x's inputs), as a subtraction from each value would keep
+    Triton from moving the values' layout conversion above the inline asm."""
+    ROWS: tl.constexpr = BLOCK_K // 8
+    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
+    _start_swap(w_ptr, k_begin // 8 + r, offs_n, tl.cdiv(K, 8), N, PDL)
+    i = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m[None, :] * stride_xm
+    word_rows = tl.cdiv(K, 8)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_rows + (k0 + i)[:, None], mask=m_ok[None, :], other=0.0)
+        else:
+            x = tl.load(x_rows + (k0 + i)[:, None], mask=m_ok[None, :] & (k0 + i < k_end)[:, None], other=0.0)
+        w, _, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
+                                       HAS_ZERO, False, EVEN_K)
+        part = tl.dot(_pair_values(_pair_words(w, BLOCK_K), x_ptr.dtype.element_ty, ASM),
+                      _pair_order_x(x, BLOCK_K, BLOCK_M), out_dtype=tl.float32)
+        if HAS_ZERO:  # sum_k (q - 8 - z) x = sum_k (q - 8) x - z sum_k x: the values stay a unary op's output
+            part -= (base - 8) * tl.sum(x.to(tl.float32), axis=0)[None, :]
+        acc += part * scale
     _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
 

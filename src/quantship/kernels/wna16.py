@@ -125,7 +125,8 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 class Blocks:
     kind: str  # "gemv" (CUDA cores, a program per row of x), "gemv_bf16x2" (the int4 GEMV two values per
     # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand, x permuted),
-    # "swap_x" (the same products, x read as it is), "dequantize"
+    # "swap_x" (the same products, x read as it is), "swap_bf16x2" (int4: one product per K tile, two values
+    # dequantized per instruction; others take swap_x), "dequantize"
     block_m: int
     block_n: int
     block_k: int
@@ -180,6 +181,11 @@ def choose_blocks(m: int, bf16x2: bool = True) -> Blocks:
 def supports(bits: int, group_size: int, in_features: int) -> bool:
     """Shapes the kernels take: 4 or 8 bits, per-channel or groups that a 16-wide tile divides."""
     return bits in (4, 8) and (group_size >= in_features or group_size % 16 == 0)
+
+
+def pairs_fit(bits: int, group_size: int, in_features: int) -> bool:
+    """Whether the swap_bf16x2 tile takes the weight: int4, its K tiles of 32 inputs or more inside one group."""
+    return bits == 4 and (group_size >= in_features or group_size % 32 == 0)
 
 
 def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
@@ -340,13 +346,17 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     blocks = blocks or choose_blocks(m, bf16x2)
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
+    if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # the same tiles, a product per value
+        blocks = replace(blocks, kind="swap_x")
     if gated and blocks.kind not in GEMV_KINDS:
         raise ValueError(f"a gated input takes the GEMV only, not {blocks.kind} (see takes_gated)")
     if blocks.kind == "dequantize":
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
-    if blocks.kind in ("swap_dot", "swap_x"):  # 16 word rows at least (a product's depth), so 128 inputs of 4 bits
+    if blocks.kind == "swap_bf16x2":  # whole pair blocks of 32 inputs, inside one group (_block_k)
+        block_k = max(32, block_k)
+    elif blocks.kind in ("swap_dot", "swap_x"):  # 16 word rows at least (a product's depth), so 128 inputs of 4 bits
         block = 16 * (32 // bits)
         block_k = max(block, block_k // block * block)
         if blocks.kind == "swap_dot":  # whole permutation blocks of x
@@ -375,6 +385,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
+    elif blocks.kind == "swap_bf16x2":
+        common.pop("BITS")
+        kernels.wna16_swap_bf16x2_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
+                                               ROWS_FIRST=rows_first, ASM=x.is_cuda and x.dtype == torch.bfloat16,
+                                               **common)
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
                                           ROWS_FIRST=rows_first, **common)
