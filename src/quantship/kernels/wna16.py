@@ -20,7 +20,11 @@ a copy of x, the weight stays as packed), and a dequantize pass that writes the 
 for cuBLAS. A variant of the swap tile, "swap_x", reads x as it is and a K tile ahead (one vectorized
 load, sliced per value position in registers), where the swap tile loads a slice of permuted x from
 L2 before each of its 8 products (the compiled kernel shows each load, its shared-memory store and the
-product's wait in series); the table takes it from 2 to 32 rows, where it measured faster. The
+product's wait in series); the table takes it from 2 to 32 rows, where it measured faster. A third variant,
+"swap_bf16x2" (int4, tiles inside one group), makes one product per K tile instead of one per value
+position: the word tile is spread in registers so that each thread's operand pairs are two values of one
+word, dequantized two per lop3 and bf16x2 subtraction, and x's tile is permuted to the same order (as
+compiled for sm_90, about half the instructions of swap_x per K tile). The
 small-M ones split K over several programs and add partial sums atomically (fp32), so a batch-1
 product still fills the GPU; they gather scales per word row where a tile spans quantization
 groups. Which runs for which M is a fixed table measured on an H200 and an H100
