@@ -132,8 +132,10 @@ def candidates(m: int):
                 for bk in (64, 128)]
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
         return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
-                      for split in (0, 8)] + [Blocks("swap_x", 16, bn, 128, split, 4, 3) for bn in (64, 128)
-                                              for split in (0, 8)]
+                      for split in (0, 8)] + [Blocks(kind, 16, bn, 128 if kind == "swap_x" else bk, split, 4, 3)
+                                              for kind in ("swap_x", "swap_bf16x2") for bn in (64, 128)
+                                              for bk in (128, 256) for split in (0, 8)
+                                              if kind == "swap_bf16x2" or bk == 128]
     if m > 64:
         # dequantize + cuBLAS, and the 64-row tensor-core tiles over several row blocks (a 128-token prompt's
         # dense calls), the grid walking the output tiles first or the row blocks (then the blocks of one
