@@ -132,10 +132,9 @@ def candidates(m: int):
                 for bk in (64, 128)]
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
         return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
-                      for split in (0, 8)] + [Blocks(kind, 16, bn, 128 if kind == "swap_x" else bk, split, 4, 3)
+                      for split in (0, 8)] + [Blocks(kind, 16, bn, 128 if kind == "swap_x" else 256, split, 4, 3)
                                               for kind in ("swap_x", "swap_bf16x2") for bn in (64, 128)
-                                              for bk in (128, 256) for split in (0, 8)
-                                              if kind == "swap_bf16x2" or bk == 128]
+                                              for split in (0, 8)]
     if m > 64:
         # dequantize + cuBLAS, and the 64-row tensor-core tiles over several row blocks (a 128-token prompt's
         # dense calls), the grid walking the output tiles first or the row blocks (then the blocks of one
@@ -146,7 +145,7 @@ def candidates(m: int):
             for kind in ("swap_dot", "swap_x") for bn in (64, 128) for bk in (128, 256) for first in (False, True)] + [
             # one product per K tile, two values per instruction: 64 or 128 rows of x a program (a wgmma's N)
             Blocks("swap_bf16x2", rows, bn, bk, split, warps, 3, rows_first=first)
-            for rows, bn, warps in ((64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 4)) for bk in (64, 128)
+            for rows, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 64, 4)) for bk in (64, 128)
             for split in (1, 2) for first in (False, True) if split == 1 or rows == 128]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
@@ -161,7 +160,7 @@ def candidates(m: int):
             for split in (0, 2, 4, 8) for stages in (3, 4)]
     # one product per K tile, its values two per bf16x2 instruction (about half the swap tiles' instructions)
     out += [Blocks("swap_bf16x2", rows, bn, bk, split, 4, 3) for bn in (64, 128) for bk in (128, 256)
-            for split in (0, 2, 4, 8)]
+            for split in (0, 4, 8)]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
