@@ -179,6 +179,17 @@ def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
             assert out.dtype == dtype and error < tolerance, (dtype, blocks, error.item())
 
 
+def test_bf16x2_ptx_only_where_its_pairs_are_checked():
+    """The swap_bf16x2 PTX runs only on Hopper's wgmma operand registers (64 outputs a warp group), for bf16 x,
+    and once its tile shape agreed with the plain path on this device; on a CPU, for float32 x or tiles of
+    32 outputs (mma.sync, where Triton lays the pairs out otherwise) never."""
+    wide, narrow = wna16.Blocks("swap_bf16x2", 16, 128, 256, 0, 4, 3), wna16.Blocks("swap_bf16x2", 16, 32, 256, 0, 4, 3)
+    x = torch.zeros(4, 512, dtype=torch.bfloat16, device=DEVICE)
+    assert not wna16.pairs_in_registers(x.float(), wide, 256) and not wna16.pairs_in_registers(x, narrow, 256)
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert wna16.pairs_in_registers(x, wide, 256) == hopper
+
+
 def test_pairs_fit_int4_in_groups_of_32_or_more():
     """swap_bf16x2 takes int4 weights whose K tiles (32 inputs at least) lie inside one group."""
     assert wna16.pairs_fit(4, 128, 4096) and wna16.pairs_fit(4, 32, 96) and wna16.pairs_fit(4, 1000, 1000)
@@ -475,7 +486,8 @@ def test_dequantize_then_matmul_equals_the_reference(bits, group, symmetric, n, 
     values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n + k)
     packed = wna16.pack(values, bits).to(DEVICE)
     scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    past_tiles = max(limit for limit, _ in wna16.BLOCKS_BY_M if limit is not None) + 5
+    x = torch.randn(past_tiles, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
     whole = wna16.dequantize_transposed(packed, scale, zero, bits, k, group, torch.float32)
     torch.testing.assert_close(whole, wna16.dequantize(packed, scale, zero, bits, k, group).t().contiguous())
     assert wna16.choose_blocks(x.shape[0]).kind == "dequantize"
@@ -485,12 +497,24 @@ def test_dequantize_then_matmul_equals_the_reference(bits, group, symmetric, n, 
 
 def test_dequantizing_starts_at_the_tables_first_dequantize_class(monkeypatch):
     """Where the capacity planner starts reserving a dense copy: past the tiles, also when a sweep gives
-    65-256 rows dequantize tiles of their own."""
-    assert wna16.dequantizes_from() == 65
+    rows past the tiles up to 256 dequantize tiles of their own. A swap_bf16x2 class of more than 64 rows
+    counts: the weights it cannot take go to dequantize + cuBLAS."""
+    first = wna16.dequantizes_from()
+    chosen = wna16.choose_blocks(first)
+    assert chosen.kind == "dequantize" or (chosen.kind == "swap_bf16x2" and chosen.block_m > 64)
+    assert wna16.choose_blocks(first - 1).kind != "dequantize" and wna16.choose_blocks(first - 1).block_m <= 64
+    values, scale, _ = random_quantized(24, 128, 8, 128, True, seed=1)  # int8: what swap_bf16x2 hands on
+    x = torch.randn(first, 128, generator=torch.Generator().manual_seed(2))
+    calls = []
+    original = wna16.dequantize_transposed
+    monkeypatch.setattr(wna16, "dequantize_transposed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    out = wna16.matmul(x.to(DEVICE), wna16.pack(values, 8).to(DEVICE), scale.to(DEVICE), None, 8, 128, 128)
+    assert calls == [1] and out.shape == (first, 24)
+    monkeypatch.undo()
     limit, last = wna16.BLOCKS_BY_M[-1]
     monkeypatch.setattr(wna16, "BLOCKS_BY_M", [*wna16.BLOCKS_BY_M[:-1], (256, replace(last, block_n=64)),
                                                (limit, last)])
-    assert wna16.dequantizes_from() == 65 and wna16.choose_blocks(300) == last
+    assert wna16.dequantizes_from() == first and wna16.choose_blocks(300) == last
 
 
 @triton.jit

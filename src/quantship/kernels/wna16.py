@@ -144,29 +144,32 @@ class Blocks:
 
 GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
 
-# M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` on an
-# H200, summed over the four Linear calls of a 6.7B decoder layer, written here by its `adopt` (BENCHMARKS.md
-# has the run); the 16 and 32 classes from sweeps of swap_x beside that table on an H100 (`--kinds swap_x`:
-# 14% and 5% faster than the swap tile there, the 64 class 4% slower, so it kept the swap tile). At one row
-# the bf16x2 GEMV, and where its PTX cannot run (int8, fp16, off the GPU) the float32 GEMV's own entry; then
-# the swap tiles; past the last class dequantize + cuBLAS.
+# M class (upper bound) → kernel and tiles: the winners of `benchmarks/kernel_wna16.py run --sweep` summed over
+# the four Linear calls of a 6.7B decoder layer, written here by its `adopt` (BENCHMARKS.md has the runs). One
+# row: the bf16x2 GEMV (an H200 sweep), and where its PTX cannot run (int8, fp16, off the GPU) the float32
+# GEMV's own entry. 2 to 128 rows: swap_bf16x2 (an H100 sweep of it beside the earlier table, a layer's calls:
+# 1.17x the swap_x tile's speed at 16 rows, 1.25x at 32, 1.18x the swap tile's at 64, 1.25x dequantize +
+# cuBLAS's at 128); where it cannot take the weight (int8, groups of 16) swap_x's products with the same
+# tiles, or dequantize + cuBLAS past 64 rows. Past the last class dequantize + cuBLAS.
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
-    (16, Blocks("swap_x", 16, 128, 256, 8, 4, 3)),
-    (32, Blocks("swap_x", 32, 64, 128, 4, 4, 3)),
-    (64, Blocks("swap_dot", 64, 128, 128, 4, 4, 4)),
+    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3)),
+    (32, Blocks("swap_bf16x2", 32, 128, 256, 0, 4, 3)),
+    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 4, 3)),
+    (128, Blocks("swap_bf16x2", 128, 128, 64, 2, 8, 3, rows_first=True)),
     (None, Blocks("dequantize", 0, 256, 64, 1, 4, 1)),
 ]
 
 
 def dequantizes_from() -> int:
-    """The fewest rows of x the table sends to dequantize + cuBLAS, which writes the weight out dense
-    for the call (the capacity planner reserves that copy). A sweep may give dequantize classes of their own
-    (tiles or passes differing by M): the first one counts."""
+    """The fewest rows of x that may go to dequantize + cuBLAS, which writes the weight out dense for the
+    call (the capacity planner reserves that copy): the first dequantize class, or the first swap_bf16x2 class
+    of more than 64 rows, which hands it the weights it cannot take (int8, groups of 16). A sweep may give
+    dequantize classes of their own (tiles or passes differing by M): the first one counts."""
     below = 0
     for limit, blocks in BLOCKS_BY_M:
-        if blocks.kind == "dequantize":
+        if blocks.kind == "dequantize" or (blocks.kind == "swap_bf16x2" and blocks.block_m > 64):
             return below + 1
         below = limit
     raise AssertionError("the table ends with dequantize + cuBLAS")
@@ -334,11 +337,46 @@ def takes_gated(rows: int, x: torch.Tensor, bits: int) -> bool:
     return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda).kind in GEMV_KINDS
 
 
+_PAIRS_CHECKED: dict[tuple, bool] = {}
+
+
+def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
+    """Whether swap_bf16x2 may make its values with the bf16x2 PTX for bf16 x: the PTX takes a register's two
+    values as one word's pair, which holds only where Triton runs it on the operand registers of Hopper's
+    wgmma (sm_90, 64 outputs a warp group: the compile test checks this Triton's layout). Elsewhere (mma.sync
+    tiles of fewer outputs, other GPUs) its pairs would be other values. Another Triton may lay it out
+    otherwise, so each tile shape is checked once per device against the shifts-and-masks path (never during
+    CUDA-graph capture: the plain path takes those calls until an eager call has checked it)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and blocks.block_n % (16 * blocks.num_warps) == 0
+            and torch.cuda.get_device_capability(x.device)[0] == 9):
+        return False
+    key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages)
+    if key not in _PAIRS_CHECKED:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _PAIRS_CHECKED[key] = _pairs_agree(x.device, replace(blocks, block_k=block_k, split_k=1))
+    return _PAIRS_CHECKED[key]
+
+
+def _pairs_agree(device: torch.device, blocks: Blocks) -> bool:
+    """One product of two K tiles, a tile of outputs, through the bf16x2 PTX and the plain path: the same
+    exact values (q - 8 in bf16) into the same product, so within float32 rounding of each other."""
+    g = torch.Generator().manual_seed(0)
+    n, k = blocks.block_n, 2 * blocks.block_k
+    packed = pack(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8), 4).to(device)
+    scale = torch.ones(1, n, dtype=torch.bfloat16, device=device)
+    x = torch.randn(blocks.block_m, k, generator=g).to(device, torch.bfloat16)
+    fast, plain = (matmul(x, packed, scale, None, 4, k, k, blocks, pairs_asm=asm).float() for asm in (True, False))
+    return bool(((fast - plain).norm() <= 1e-3 * plain.norm()).item())
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
-           in_features: int, group_size: int, blocks: Blocks | None = None, gated: bool = False) -> torch.Tensor:
+           in_features: int, group_size: int, blocks: Blocks | None = None, gated: bool = False,
+           pairs_asm: bool | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton.
     `gated`: x is [..., 2K], an MLP's gate and up side by side, and the input is SiLU(gate) * up, made by
-    the GEMV as it loads x (rounded as elementwise.silu_mul rounds), one launch fewer (takes_gated)."""
+    the GEMV as it loads x (rounded as elementwise.silu_mul rounds), one launch fewer (takes_gated).
+    `pairs_asm`: swap_bf16x2 with its PTX or without (its own check); None: pairs_in_registers decides."""
     import triton
 
     from quantship.kernels import _wna16_triton as kernels
@@ -350,8 +388,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     blocks = blocks or choose_blocks(m, bf16x2)
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
-    if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # the same tiles, a product per value
-        blocks = replace(blocks, kind="swap_x")
+    if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # a product per value position
+        blocks = replace(blocks, kind="swap_x") if blocks.block_m <= 64 else BLOCKS_BY_M[-1][1]
     if gated and blocks.kind not in GEMV_KINDS:
         raise ValueError(f"a gated input takes the GEMV only, not {blocks.kind} (see takes_gated)")
     if blocks.kind == "dequantize":
@@ -392,8 +430,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
         kernels.wna16_swap_bf16x2_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
-                                               ROWS_FIRST=rows_first, ASM=x.is_cuda and x.dtype == torch.bfloat16,
-                                               **common)
+                                               ROWS_FIRST=rows_first,
+                                               ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None
+                                               else pairs_asm, **common)
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
                                           ROWS_FIRST=rows_first, **common)
