@@ -369,6 +369,10 @@ PARTIAL_SWEEPS = {
                            "one-row column is the table's bf16x2 GEMV). The passes stayed within 2-3% of "
                            "dequantizing the whole weight either way (32 MB) or lost (8 MB), and are gone; the "
                            "table dequantizes whole, now in 256x64 tiles",
+    "kernel_wna16_bf16x2": "`swap_bf16x2` (stop 42: the swap tile's operands with one product per K tile, the word "
+                           "tile spread in registers so each operand register holds two values of one word, made "
+                           "by one lop3 and one bf16x2 subtraction; x's tile permuted to match) from 1 to 128 rows "
+                           "beside the table it replaced from 2 to 128 rows",
     "kernel_wna16_m128": "the prefill rows with `swap_x` tiles of 128 rows of x (a wgmma's N of 128, each weight tile "
                          "dequantized once per 128 rows): 1.3x slower than dequantize + cuBLAS at 128 rows, 1.7x at "
                          "256 and 2.5x at 2,048, so they are no candidates any more",
