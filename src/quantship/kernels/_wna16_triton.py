@@ -9,12 +9,15 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
   place, with the offset folded into the subtraction (_word_values).
 - wna16_gemv_bf16x2_kernel: the int4 GEMV with bf16 x, two values per instruction through inline
   bf16x2 PTX (GPU only); the table's choice for one row (14% faster than the float32 GEMV, measured).
-- wna16_swap_dot_kernel (33 to 64 rows): y^T = W x^T on tensor cores, one product per value position
+- wna16_swap_dot_kernel (a sweep candidate): y^T = W x^T on tensor cores, one product per value position
   of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
-- wna16_swap_x_kernel (2 to 32 rows): the same products, x read as it is, a K tile ahead.
-- wna16_swap_bf16x2_kernel (int4): the swap tile's operands with one product per K tile, the words spread in
-  registers to a pair order and dequantized two values per bf16x2 instruction, x permuted to match.
-- dequantize_kernel (past 64 rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the rest.
+- wna16_swap_x_kernel (2 to 64 rows where swap_bf16x2 cannot take the weight: int8, groups of 16): the
+  same products, x read as it is, a K tile ahead.
+- wna16_swap_bf16x2_kernel (int4, 2 to 128 rows): the swap tile's operands with one product per K tile, the
+  words spread in registers to a pair order and dequantized two values per bf16x2 instruction, x permuted
+  to match.
+- dequantize_kernel (past the tiles' rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the
+  rest.
 The fused MoE reuses these pieces: the GEMV's words / x / product steps for its slot GEMV,
 packed_tile_dot (x's tile of rows gathered per expert as the left operand) for its decode blocks.
 """
