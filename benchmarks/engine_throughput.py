@@ -682,7 +682,8 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 42: swap_bf16x2 from 2 to 128 rows (one product per K tile, values two per bf16x2 "
+    "": {"H100, stop 42, a second machine: batch 64": "_bf16x2_b64",
+         "H100, stop 42: swap_bf16x2 from 2 to 128 rows (one product per K tile, values two per bf16x2 "
          "instruction), PDL by default": "_bf16x2",
          "H100, stop 41, later: the rotations without FP contraction; under PDL the swap tiles released "
          "after their K loop (reverted since)": "_stop41_pdl_late",

@@ -377,6 +377,10 @@ PARTIAL_SWEEPS = {
                            "tile spread in registers so each operand register holds two values of one word, made "
                            "by one lop3 and one bf16x2 subtraction; x's tile permuted to match) from 1 to 128 rows "
                            "beside the table it replaced from 2 to 128 rows",
+    "kernel_wna16_bf16x2_m16": "`swap_bf16x2` at 16 rows with deeper pipelines over 64-deep tiles and two warp "
+                               "groups over 128 or 256 outputs (stop 42, a second H100): none of them led; the best "
+                               "(128 outputs, 256 deep, 8 splits) took 75.47 µs against the table's tiles' 75.53, "
+                               "within noise, so the table stays",
     "kernel_wna16_m128": "the prefill rows with `swap_x` tiles of 128 rows of x (a wgmma's N of 128, each weight tile "
                          "dequantized once per 128 rows): 1.3x slower than dequantize + cuBLAS at 128 rows, 1.7x at "
                          "256 and 2.5x at 2,048, so they are no candidates any more",
