@@ -537,12 +537,27 @@ def pdl_setting(on: bool | str | None):
             os.environ["QUANTSHIP_PDL"] = before
 
 
+@contextlib.contextmanager
+def words_along_k(along_k: bool | None):
+    """The packed words' layout (kernels.wna16.WORDS_ALONG_K) for the models quantized, and the engines built
+    (which merge projections), inside: along K (True), along N (False), or the default (None)."""
+    from quantship.kernels import wna16
+
+    before = wna16.WORDS_ALONG_K
+    wna16.WORDS_ALONG_K = before if along_k is None else along_k
+    try:
+        yield
+    finally:
+        wna16.WORDS_ALONG_K = before
+
+
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
-          profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False) -> None:
+          profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
-    (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating."""
+    (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating. `words`:
+    W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N)."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -551,6 +566,9 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         theirs = statistics.median(time_transformers(hf, long, 1) for _ in range(REPEATS))
     del hf
     w4 = quantized_copy(ours)
+    if words:
+        with words_along_k(True):
+            w4_k = quantized_copy(ours)
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -562,16 +580,21 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     sides = {"w4a16": (w4, False if pdl else None), "bf16": (ours, False if pdl else None)}
     if pdl:  # bf16 has no swap tiles: its side with PDL on but them is bf16_pdl
         sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "default")}
+    if words:
+        sides["w4a16_words_k"] = (w4_k, None)
+
+    def setting(name):  # the side's PDL and, for w4a16_words_k, its words' layout for the engine's merges
+        return words_along_k(True if name == "w4a16_words_k" else None), pdl_setting(sides[name][1])
 
     def timed(name, *args):
-        model, on = sides[name]
-        with pdl_setting(on):
-            return time_engine(model, *args)
+        layout, launch = setting(name)
+        with layout, launch:
+            return time_engine(sides[name][0], *args)
 
     def anatomy(name, batch, **kw):
-        model, on = sides[name]
-        with pdl_setting(on):
-            return step_anatomy(model, config, batch, **kw)
+        layout, launch = setting(name)
+        with layout, launch:
+            return step_anatomy(sides[name][0], config, batch, **kw)
 
     rows = []
     with torch.inference_mode():
@@ -591,8 +614,9 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             rows.append(row)
             print(rows[-1], flush=True)
         ttft = {}
-        for name, (model, on) in sides.items():
-            with pdl_setting(on):
+        for name, (model, _) in sides.items():
+            layout, launch = setting(name)
+            with layout, launch:
                 ttft[name] = time_ttft(model, None, 2048, config) | {"transformers_s": theirs}
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
@@ -682,7 +706,9 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 42, a second machine: batch 64": "_bf16x2_b64",
+    "": {"H100, stop 43: the packed words held along N (the table's layout) and along K (`quick --words`), "
+         "alternating": "_words",
+         "H100, stop 42, a second machine: batch 64": "_bf16x2_b64",
          "H100, stop 42: swap_bf16x2 from 2 to 128 rows (one product per K tile, values two per bf16x2 "
          "instruction), PDL by default": "_bf16x2",
          "H100, stop 41, later: the rotations without FP contraction; under PDL the swap tiles released "
@@ -762,7 +788,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
             # a quick --pdl run has each side with programmatic dependent launch on too, and W4A16 with it on
             # for all but the swap tiles (against bf16 with it on)
             for side, bf16_name, note in (("", "bf16", ""), ("_pdl", "bf16_pdl", ", PDL on"),
-                                          ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles")):
+                                          ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles"),
+                                          ("_words_k", "bf16", ", packed words held along K")):
                 w4_name, named = f"w4a16{side}", label + note
                 if "batch" in x and f"{w4_name}_tok_s" in x:
                     w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
@@ -901,6 +928,8 @@ def main() -> None:
     q.add_argument("--pdl", action="store_true",
                    help="time each side with programmatic dependent launch off, on (*_pdl) and by default "
                         "(w4a16_pdl_no_tiles), alternating")
+    q.add_argument("--words", action="store_true",
+                   help="also time W4A16 with its packed words held along K (w4a16_words_k), alternating")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -919,7 +948,7 @@ def main() -> None:
 
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
-              args.pdl)
+              args.pdl, args.words)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

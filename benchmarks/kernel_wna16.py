@@ -262,13 +262,14 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
                   f"{ranked[0][1] * 1e6:.1f} for one tile shape (a table per shape's worth)")
     by_shape = {label: {m: [(asdict(b), t) for b, t in sorted(times.items(), key=lambda kv: kv[1])[:5]]
                         for m, times in per_shape.items()} for label, per_shape in shape_sweeps.items()}
-    from quantship.kernels import dependent_launch
+    from quantship.kernels import dependent_launch, wna16
     from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
               "table": _table_text(BLOCKS_BY_M),
               "errors": errors, "rows": rows, "ranking": ranking, "by_shape": by_shape,
               "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
+              "words": "k" if wna16.WORDS_ALONG_K else "n",
               # programmatic dependent launch (kernels.dependent_launch): a layer's graphed GEMV calls overlap
               # each other by default; the tiles' only with QUANTSHIP_PDL=1
               "pdl": torch.cuda.is_available() and dependent_launch(torch.empty(0, device="cuda"))["PDL"],
@@ -279,6 +280,60 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     for label, e in errors.items():
         print(label, "relative error vs float32 reference:", e)
+
+
+WORDS_MS = (1, 16, 32, 64, 128)
+
+
+def words(out: Path, ms: tuple[int, ...] = WORDS_MS) -> None:
+    """The table's kernel for each M on a layer's four calls (SWEEP_SHAPES) with the same int4 weights held
+    along K (each output's words contiguous, compressed-tensors' own order) and along N (GPTQ's), alternating
+    layouts per replay set: which layout kernels.wna16.WORDS_ALONG_K should hold."""
+    from quantship.kernels import wna16
+
+    torch.manual_seed(0)
+    layer = {True: {}, False: {}}
+    for label in SWEEP_SHAPES:
+        n, k = SHAPES[label]
+        copies = max(2, (256 << 20) // (n * k // 2))
+        by_layout = {False: random_packed(n, k, 4, True, copies)}
+        wna16.WORDS_ALONG_K = True  # the same words, held the other way
+        by_layout[True] = [(wna16.hold(packed), scale, zero) for packed, scale, zero in by_layout[False]]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reference = wna16.reference_matmul(x, *by_layout[True][0], 4, k, GROUP)
+            for along_k, weights in by_layout.items():  # the same values: the same answer either way
+                got = wna16.matmul(x, *weights[0], 4, k, GROUP).float()
+                assert ((got - reference).norm() / reference.norm()).item() < 1e-2, (label, m, along_k)
+            times = {True: [], False: []}
+            for _ in range(3):
+                for along_k, weights in by_layout.items():
+                    times[along_k].append(graph_time(lambda i: wna16.matmul(x, *weights[i], 4, k, GROUP),
+                                                     len(weights), replays=3))
+            for along_k in times:
+                layer[along_k][m] = layer[along_k].get(m, 0.0) + statistics.median(times[along_k])
+        print(label, {m: (layer[True][m], layer[False][m]) for m in ms}, flush=True)
+    wna16.WORDS_ALONG_K = False
+    result = {"device": torch.cuda.get_device_name(), "group_size": GROUP, "table": _table_text(wna16.BLOCKS_BY_M),
+              "layer_s": {"k": layer[True], "n": layer[False]}, "shapes": list(SWEEP_SHAPES), "torch": torch.__version__}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_wna16_words.json").write_text(json.dumps(result, indent=2) + "\n")
+    for m in ms:
+        print(f"M={m}: along K {layer[True][m] * 1e6:.1f} µs, along N {layer[False][m] * 1e6:.1f} µs a layer")
+
+
+def _words_text() -> list[str]:
+    path = RESULTS / "kernel_wna16_words.json"
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    k, n = r["layer_s"]["k"], r["layer_s"]["n"]
+    rows = [[m, f"{n[m] * 1e6:.1f}", f"{k[m] * 1e6:.1f}", f"{n[m] / k[m]:.2f}x"] for m in k]
+    return [f"The packed words' layout (`kernel_wna16.py words`, {r['device']}): the table's kernel for each M on "
+            "a layer's four calls, the same int4 weights held along N (GPTQ's order, each word row of all outputs "
+            "contiguous; `wna16.WORDS_ALONG_K` holds this one) and along K (compressed-tensors' own order, each "
+            "output's words contiguous), alternating:", "",
+            table(["M", "along N µs", "along K µs", "speed-up along K"], rows), ""]
 
 
 REMOVED_KINDS = {"dot"}  # swept once and slower everywhere: gone from kernels.wna16
@@ -447,6 +502,7 @@ def render() -> None:
              + _table_note(r), "",
              *_sweep_text(r),
              *_partial_sweep_text(),
+             *_words_text(),
              "Since those sweeps the table takes `swap_x` from 2 to 32 rows, where it was the fastest, and keeps "
              "the swap tile at 64; the engine section's H100 quick runs show the decode step with each. The H200 "
              "figures below are from before it, and from before the GEMVs loaded x's K tile once (stop 38: 23-44% "
@@ -540,11 +596,21 @@ def main() -> None:
                    "the layer's four calls: a quick look at one kernel")
     p.add_argument("--ms", type=int, nargs="+", default=MS, help="rows of x to time (default: all)")
     p.add_argument("--name", default="kernel_wna16", help="the result file's name (NAME.json)")
+    p.add_argument("--words", choices=["k", "n"], default="n",
+                   help="the packed words held along N (the default, kernels.wna16.WORDS_ALONG_K) or along K")
+    w = sub.add_parser("words", help="the table's kernels with the words held along K and along N")
+    w.add_argument("--out", type=Path, default=RESULTS)
+    w.add_argument("--ms", type=int, nargs="+", default=list(WORDS_MS))
     sub.add_parser("adopt").add_argument("result", type=Path, help="kernel_wna16.json of a --sweep run")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
+        from quantship.kernels import wna16
+
+        wna16.WORDS_ALONG_K = args.words == "k"
         run(args.out, args.sweep, tuple(args.kinds), tuple(args.ms), args.name)
+    elif args.cmd == "words":
+        words(args.out, tuple(args.ms))
     elif args.cmd == "adopt":
         adopt(args.result)
     else:

@@ -44,20 +44,21 @@ def compile(fn, signature, constexprs, before_wait=None, attrs=None):
     return kernel
 
 matmul = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-          "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "group_size": "i32",
-          "k_per_split": "i32"}
+          "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wk": "i32",
+          "stride_wn": "i32", "group_size": "i32", "k_per_split": "i32"}
 for bits in (4, 8):
     for zero in (False, True):
         # K split finished in the kernel with zero points, added into a float32 y without (both paths compile)
         tiles = {"BITS": bits, "HAS_ZERO": zero, "ATOMIC": True, "FINISH": zero, "BLOCK_N": 128, "BLOCK_K": 128}
         for spans in (False, True):
             # the GEMVs also compile taking SwiGLU's product of gate and up as their x (GATED)
-            compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans, GATED=spans), before_wait="ld.global")
+            compile(wna16.wna16_gemv_kernel, matmul, dict(tiles, SPANS=spans, GATED=spans, EVEN_K=spans),
+                    before_wait="ld.global")
             if bits == 4:  # its bf16x2 PTX goes through ptxas here: the interpreter cannot run it
                 for gated in (False, True):
                     compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
-                            {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated).items() if k != "BITS"},
-                            before_wait="ld.global")
+                            {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated, EVEN_K=gated).items()
+                             if k != "BITS"}, before_wait="ld.global")
             for block_m, block_n in ((16, 128), (64, 64)):  # the table's two swap tiles
                 # the 64-row ones also with the grid walking row blocks first (prefill candidates)
                 compile(wna16.wna16_swap_dot_kernel, matmul,
@@ -76,8 +77,26 @@ for bits in (4, 8):
                                  before_wait="prefetch.global.L2", attrs=("N", "K", "stride_xm", "k_per_split"))
                 asm = [line for line in kernel.asm["ttgir"].splitlines() if "elementwise_inline_asm" in line and "lop3" in line]
                 assert len(asm) == 1 and "-> tensor<128x%dxbf16, #ttg.dot_op<{opIdx = 0" % block_k in asm[0], asm
+        # Words held along K (stride_wk 1, as wna16.hold lays them out) load as 16-byte vectors in whole tiles,
+        # the GEMV's straight into registers, the tiles' into shared memory; along N the tiles' take a word each
+        along_k = dict(matmul, stride_wk="constexpr")
+        for fn, extra, vector in ((wna16.wna16_gemv_kernel, dict(SPANS=False, GATED=False), ".v4.b32"),
+                                  (wna16.wna16_swap_x_kernel, dict(BLOCK_M=16, BLOCK_K=16 * 32 // bits, SPANS=False,
+                                                                   ROWS_FIRST=False), "], 0x10"),
+                                  (wna16.wna16_swap_bf16x2_kernel, dict(BLOCK_M=16, ROWS_FIRST=False, ASM=True), "], 0x10")):
+            if fn is wna16.wna16_swap_bf16x2_kernel and bits == 8:
+                continue
+            tile = {k: v for k, v in dict(tiles, EVEN_K=True, **extra).items() if k in fn.arg_names}
+            aligned = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "ws_ptr", "counter_ptr", "N", "K", "stride_xm", "k_per_split")
+            ptx = compile(fn, along_k, dict(tile, stride_wk=1), attrs=aligned + ("stride_wn",)).asm["ptx"]
+            words = [line for line in ptx.splitlines() if "cp.async" in line or "ld.global" in line]
+            assert any(vector in line for line in words), (fn.__name__, words[:8])
+            if fn is wna16.wna16_swap_bf16x2_kernel:  # along N its shared-memory order takes 4 bytes a copy
+                ptx = compile(fn, dict(matmul, stride_wn="constexpr"), dict(tile, stride_wn=1),
+                              attrs=aligned + ("stride_wk",)).asm["ptx"]
+                assert "], 0x4" in ptx, fn.__name__
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
-                "N": "i32", "K": "i32", "group_size": "i32"},
+                "N": "i32", "K": "i32", "stride_wk": "i32", "stride_wn": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, before_wait="ld.global")
 experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
 gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
@@ -171,7 +190,7 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 144
+    assert done.stdout.count(" ok") == 156
 
 
 def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):

@@ -63,6 +63,38 @@ CASES = [  # (bits, group, symmetric, m, n, k): odd sizes, every group, M across
 ]
 
 
+@pytest.mark.parametrize("along_k", [True, False])
+@pytest.mark.parametrize("kind,m", [("gemv", 1), ("gemv_bf16x2", 1), ("swap_dot", 5), ("swap_x", 9),
+                                    ("swap_bf16x2", 12), ("dequantize", 20)])
+def test_every_kernel_reads_the_words_held_along_k_or_along_n(kind, m, along_k, monkeypatch):
+    monkeypatch.setattr(wna16, "WORDS_ALONG_K", along_k)
+    values, scale, zero = random_quantized(40, 512, 4, 64, False, seed=m)
+    packed = wna16.pack(values, 4).to(DEVICE)
+    assert packed.shape == (64, 40) and packed.stride() == ((1, 64) if along_k else (40, 1))
+    scale, zero = scale.to(DEVICE), zero.to(DEVICE)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, 4, 512, 64)
+    table = {b.kind: b for _, b in wna16.BLOCKS_BY_M}  # tiles of the table (its last class of a kind), and two sweep candidates
+    table.update(swap_dot=wna16.Blocks("swap_dot", 16, 32, 128, 2, 4, 1), swap_x=wna16.Blocks("swap_x", 16, 32, 128, 2))
+    blocks = replace(table[kind], block_n=32, num_stages=1)
+    for x_in, tolerance in ((x, 3e-3), (x.bfloat16(), 1e-2)) if DEVICE == "cuda" else ((x, 3e-3),):
+        out = wna16.matmul(x_in, packed, scale, zero, 4, 512, 64, blocks=blocks).float()
+        assert ((out - expected).norm() / expected.norm()) < tolerance, (x_in.dtype, kind)
+
+
+def test_words_from_a_checkpoint_are_held_without_a_copy_and_merged_in_the_same_layout(monkeypatch):
+    values, scale, _ = random_quantized(24, 256, 4, 128, True, seed=1)
+    rows = wna16.pack(values, 4).t().contiguous()  # compressed-tensors' [N, K/8]
+    for along_k in (True, False):
+        monkeypatch.setattr(wna16, "WORDS_ALONG_K", along_k)
+        held = wna16.from_rows(rows)
+        assert torch.equal(held, rows.t()) and (held.data_ptr() == rows.data_ptr()) == along_k
+        parts = [PackedLinear.from_rows(rows, scale.t(), None, 4, 128) for _ in range(2)]
+        merged = PackedLinear.concatenated(parts).weight_packed
+        assert torch.equal(merged, torch.cat([rows.t(), rows.t()], dim=1))
+        assert merged.stride() == ((1, 32) if along_k else (48, 1))
+
+
 @pytest.mark.parametrize("bits,group,symmetric,m,n,k", CASES)
 def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
     values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=m * n + k)

@@ -233,8 +233,8 @@ def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin,
     r = tl.arange(0, ROWS)
     acc = gemv_acc(ROWS, BLOCK_N, SPANS)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N, K, group_size,
-                        BITS, HAS_ZERO, SPANS, BF16X2, False)
+        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N, K, N, 1,
+                        group_size, BITS, HAS_ZERO, SPANS, BF16X2, False)
     return _row_sums(acc, SPANS)
 
 
@@ -254,8 +254,8 @@ def _slot_gemv_gate_up(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
     for k0 in range(k_begin, k_end, BLOCK_K):
         rows = k0 // (32 // BITS) + r
         # both weights' words first, then their scales, then x: the loads do not wait on each other
-        gate_w, gate_hi = _words(gate_ptr, rows, offs_n, word_rows, N)
-        up_w, up_hi = _words(up_ptr, rows, offs_n, word_rows, N)
+        gate_w, gate_hi = _words(gate_ptr, rows, offs_n, word_rows, N, N, 1)
+        up_w, up_hi = _words(up_ptr, rows, offs_n, word_rows, N, N, 1)
         gate_scale, gate_base = _tile_meta(gate_s_ptr, gate_z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS,
                                            HAS_ZERO, SPANS)
         up_scale, up_base = _tile_meta(up_s_ptr, up_z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS,

@@ -39,11 +39,11 @@ def _to_float(q):
 
 
 @triton.jit
-def _tile_values(w_ptr, rows, offs_n, word_rows, N, shifts, BITS: tl.constexpr):
+def _tile_values(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, shifts, BITS: tl.constexpr):
     """[P, R, BN] float32 unsigned values of word rows `rows` (0 where out of range). The word axis
-    P leads, so each thread keeps a word's values in its registers and loads run along N."""
+    P leads, so each thread keeps a word's values in its registers."""
     mask = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
-    words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    words = tl.load(w_ptr + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=mask, other=0)
     return _to_float((words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1))
 
 
@@ -56,6 +56,14 @@ def _tile_values_2d(w_ptr, offs_k, offs_n, word_rows, N, BITS: tl.constexpr):
     mask = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
     words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
     return _to_float((words >> ((offs_k[:, None] % PER_WORD) * BITS)) & ((1 << BITS) - 1))
+
+
+@triton.jit
+def _word_row(k0, BITS: tl.constexpr, ROWS: tl.constexpr):
+    """The word row of input k0, where k0 is a whole number of K tiles of ROWS word rows (every split starts at
+    one: wna16.split_range), said so to the compiler: with words K-contiguous, a tile's runs of words are then
+    16-byte aligned and load as vectors."""
+    return tl.multiple_of(k0 // (32 // BITS), ROWS)
 
 
 @triton.jit
@@ -83,11 +91,17 @@ def _word_values(src, i: tl.constexpr, base, BITS: tl.constexpr, HAS_ZERO: tl.co
 
 
 @triton.jit
-def _words(w_ptr, rows, offs_n, word_rows, N):
-    """Words [R, BN] of word rows `rows` and their upper halves (0 where out of range)."""
-    ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
+def _words(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, EVEN_K: tl.constexpr = False):
+    """Words [R, BN] of word rows `rows` and their upper halves (0 where out of range); word (j, n) at
+    w_ptr + j * stride_wk + n * stride_wn (wna16's layout: either axis may be the contiguous one). EVEN_K:
+    whole tiles, no row mask (which would keep words held along K from loading as vectors)."""
+    if EVEN_K:
+        ok = (offs_n < N)[None, :]
+    else:
+        ok = (rows[:, None] < word_rows) & (offs_n[None, :] < N)
     # Weights are read once: evict them first so x and the scales stay in L2.
-    w = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=ok, other=0, eviction_policy="evict_first")
+    w = tl.load(w_ptr + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=ok, other=0,
+                eviction_policy="evict_first")
     return w, w >> 16
 
 
@@ -120,10 +134,10 @@ def _tile_meta(s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: t
 
 
 @triton.jit
-def _tile_words(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
-                HAS_ZERO: tl.constexpr, SPANS: tl.constexpr):
+def _tile_words(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, stride_wk, stride_wn, group_size,
+                BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr = False):
     """A word tile [R, BN] of word rows `rows`, its upper halves, scales and offset bases (_tile_meta)."""
-    w, hi = _words(w_ptr, rows, offs_n, word_rows, N)
+    w, hi = _words(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, EVEN_K)
     scale, base = _tile_meta(s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO, SPANS)
     return w, hi, scale, base
 
@@ -332,14 +346,15 @@ def gemv_product(acc, words, xs, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPA
 
 
 @triton.jit
-def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS: tl.constexpr,
-              HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr, GATED: tl.constexpr):
+def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, stride_wk, stride_wn, group_size,
+              BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr,
+              GATED: tl.constexpr, EVEN_K: tl.constexpr = False):
     """acc plus one K tile of the GEMV: inputs k0 .. k0 + R*P of the row `x_row` points at, times the word
     rows k0 / P + r of the packed weight at w_ptr (outputs offs_n). The words are loaded first, so they are
     in flight while x's tile is spread. Shared by the dense GEMVs and the fused MoE's per-slot GEMV (there
     w_ptr is one expert's weight)."""
-    words = _tile_words(w_ptr, s_ptr, z_ptr, k0 // (32 // BITS) + r, k0, offs_n, word_rows, N, group_size, BITS,
-                        HAS_ZERO, SPANS)
+    words = _tile_words(w_ptr, s_ptr, z_ptr, _word_row(k0, BITS, r.shape[0]) + r, k0, offs_n, word_rows, N,
+                        stride_wk, stride_wn, group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
     return gemv_product(acc, words, gemv_x(x_row, k0, r, K, BITS, BF16X2, GATED), BITS, HAS_ZERO, SPANS, BF16X2)
 
 
@@ -354,9 +369,11 @@ def gemv_acc(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr):
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split,
+def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
+          k_per_split,
           BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
-          BF16X2: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+          BF16X2: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The dense GEMVs' program: row program_id(1) of x, outputs program_id(0), K split program_id(2). The
     first K tile's words are loaded before waiting for the kernel before (PDL): they are weights, so with
     PDL they are in flight while that kernel finishes (the table's GEMVs have one K tile per program)."""
@@ -370,41 +387,42 @@ def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_x
     word_rows = tl.cdiv(K, PER_WORD)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)  # past k_begin: every split has a tile (wna16.split_range)
-    words = _tile_words(w_ptr, s_ptr, z_ptr, k_begin // PER_WORD + r, k_begin, offs_n, word_rows, N, group_size,
-                        BITS, HAS_ZERO, SPANS)
+    words = _tile_words(w_ptr, s_ptr, z_ptr, _word_row(k_begin, BITS, ROWS) + r, k_begin, offs_n, word_rows, N,
+                        stride_wk, stride_wn, group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
     wait_for_inputs(PDL)
     x_row = x_ptr + row_m * stride_xm
     acc = gemv_product(gemv_acc(ROWS, BLOCK_N, SPANS), words, gemv_x(x_row, k_begin, r, K, BITS, BF16X2, GATED),
                        BITS, HAS_ZERO, SPANS, BF16X2)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, group_size, BITS, HAS_ZERO,
-                        SPANS, BF16X2, GATED)
+        acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, stride_wk, stride_wn,
+                        group_size, BITS, HAS_ZERO, SPANS, BF16X2, GATED, EVEN_K)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
                SPANS)
 
 
 @triton.jit
-def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
-                      k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                      FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
+def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wk,
+                      stride_wn, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                      FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
     sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
-    each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile)."""
-    _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split, BITS,
-          HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, BLOCK_N, BLOCK_K, PDL)
+    each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile).
+    EVEN_K: K is whole tiles (no row masks)."""
+    _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
+          k_per_split, BITS, HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, EVEN_K, BLOCK_N, BLOCK_K, PDL)
 
 
 @triton.jit
 def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
-                             group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-                             FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr,
+                             stride_wk, stride_wn, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                             FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
-    would; the rest (pair sums, scales, the accumulation over K) is float32. GATED: as the GEMV's."""
-    _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, group_size, k_per_split, 4,
-          HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, BLOCK_N, BLOCK_K, PDL)
+    would; the rest (pair sums, scales, the accumulation over K) is float32. GATED, EVEN_K: as the GEMV's."""
+    _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
+          k_per_split, 4, HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, EVEN_K, BLOCK_N, BLOCK_K, PDL)
 
 
 @triton.jit
@@ -418,7 +436,7 @@ def packed_tile_dot(xt, w_ptr, s_ptr, z_ptr, k0, offs_n, K, N, group_size, BITS:
     PER_WORD: tl.constexpr = 32 // BITS
     r = tl.arange(0, xt.shape[1])
     w, hi, scale, base = _tile_words(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, tl.cdiv(K, PER_WORD), N,
-                                     group_size, BITS, HAS_ZERO, SPANS)
+                                     N, 1, group_size, BITS, HAS_ZERO, SPANS)
     part = tl.zeros((xt.shape[0], offs_n.shape[0]), dtype=tl.float32)
     return _position_products(part, w, hi, scale, base, _value_slices(xt, PER_WORD), BITS, HAS_ZERO, SPANS, False)
 
@@ -460,8 +478,8 @@ def _exact_values(src, i: tl.constexpr, base, BITS: tl.constexpr, HAS_ZERO: tl.c
 
 
 @triton.jit
-def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
-               HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
+def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, stride_wk, stride_wn, group_size,
+               BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
     """_tile_words for the swap tile, loaded as [BN, R] (the product's left operand) and its scales and
     offset bases as [BN, R] (SPANS) or [BN, 1]. EVEN_K: whole tiles, no row mask."""
     PER_WORD: tl.constexpr = 32 // BITS
@@ -469,7 +487,8 @@ def _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, 
         ok = (offs_n < N)[:, None]
     else:
         ok = (offs_n < N)[:, None] & (rows < word_rows)[None, :]
-    w = tl.load(w_ptr + rows[None, :] * N + offs_n[:, None], mask=ok, other=0, eviction_policy="evict_first")
+    w = tl.load(w_ptr + rows[None, :] * stride_wk + offs_n[:, None] * stride_wn, mask=ok, other=0,
+                eviction_policy="evict_first")
     if SPANS:
         meta = (rows * PER_WORD // group_size)[None, :] * N + offs_n[:, None]
         meta_ok = ok
@@ -509,14 +528,18 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _start_swap(w_ptr, rows, offs_n, word_rows, N, PDL: tl.constexpr):
+def _start_swap(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, PDL: tl.constexpr):
     """A swap tile's start under PDL (_pdl_triton): the next kernel released, the first K tile's words
     (word rows `rows`, outputs offs_n) prefetched into L2, a line each, then the wait for the kernel before.
     Prefetched rather than loaded as the GEMVs' are, so the loads stay in the loop Triton pipelines."""
     if PDL:
         release_dependents(PDL)
-        line = (offs_n % 32 == 0) & (offs_n < N)  # 32 words of 4 bytes: one address per line
-        _prefetch_l2(w_ptr + rows[:, None] * N + offs_n[None, :], (rows[:, None] < word_rows) & line[None, :])
+        offsets = rows[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        # one address per 128-byte line (32 words), and the first of the tile's run in each line
+        first = tl.where(stride_wk == 1, rows[:, None] == tl.min(rows, axis=0),
+                         offs_n[None, :] == tl.min(offs_n, axis=0))
+        line = (offsets % 32 == 0) | first
+        _prefetch_l2(w_ptr + offsets, (rows[:, None] < word_rows) & (offs_n[None, :] < N) & line)
         wait_for_inputs(PDL)
 
 
@@ -530,8 +553,8 @@ def _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_p
 
 
 @triton.jit
-def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
-                          k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wk,
+                          stride_wn, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, SPANS: tl.constexpr,
                           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr, PDL: tl.constexpr):
@@ -546,7 +569,7 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     BLOCK: tl.constexpr = 16 * PER_WORD  # inputs per permutation block of x
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
-    _start_swap(w_ptr, k_begin // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, PDL)
+    _start_swap(w_ptr, k_begin // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, stride_wk, stride_wn, PDL)
     if ROWS == 16:
         x_cols = r
     else:
@@ -555,8 +578,8 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     word_rows = tl.cdiv(K, PER_WORD)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N,
-                                        group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
+        w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, _word_row(k0, BITS, ROWS) + r, k0, offs_n, word_rows,
+                                        N, stride_wk, stride_wn, group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for i in tl.static_range(PER_WORD):
             x = tl.load(x_rows + (k0 + 16 * i + x_cols)[:, None], mask=m_ok[None, :], other=0.0)
@@ -572,21 +595,21 @@ def wna16_swap_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
 
 
 @triton.jit
-def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
+def swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, stride_wk, stride_wn, group_size,
+                  BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr):
     """[BN, BM] float32: outputs offs_n of one K tile (word rows `rows`) of y^T = W x^T, x's inputs of the
     tile given as they are ([R, BM, P], _value_slices), on tensor cores: one product per value position,
     the weight's values the left operand (_exact_values), scaled per word row (SPANS) or per output."""
     PER_WORD: tl.constexpr = 32 // BITS
-    w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS, HAS_ZERO,
-                                    SPANS, EVEN_K)
+    w, hi, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, rows, k0, offs_n, word_rows, N, stride_wk, stride_wn,
+                                    group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
     part = tl.zeros((offs_n.shape[0], xs.shape[1]), dtype=tl.float32)
     return _position_products(part, w, hi, scale, base, _value_slices(xs, PER_WORD), BITS, HAS_ZERO, SPANS, True)
 
 
 @triton.jit
-def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, group_size,
-                        k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wk,
+                        stride_wn, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                         FINISH: tl.constexpr, SPANS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr, PDL: tl.constexpr):
     """The swap tile (wna16_swap_dot_kernel's products) reading x as it is: a K tile's inputs are one
@@ -596,7 +619,7 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
-    _start_swap(w_ptr, k_begin // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, PDL)
+    _start_swap(w_ptr, k_begin // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, stride_wk, stride_wn, PDL)
     inputs = r[:, None, None] * PER_WORD + tl.arange(0, PER_WORD)[None, None, :]  # [R, 1, P]
     x_rows = x_ptr + offs_m[None, :, None] * stride_xm  # [1, BM, 1]
     word_rows = tl.cdiv(K, PER_WORD)
@@ -605,8 +628,8 @@ def wna16_swap_x_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, 
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_next = k0 + BLOCK_K + inputs
         xs_next = tl.load(x_rows + k_next, mask=m_ok[None, :, None] & (k_next < k_end), other=0.0)
-        acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, k0 // PER_WORD + r, k0, offs_n, word_rows, N, group_size, BITS,
-                             HAS_ZERO, SPANS, EVEN_K)
+        acc += swap_tile_dot(xs, w_ptr, s_ptr, z_ptr, _word_row(k0, BITS, ROWS) + r, k0, offs_n, word_rows, N,
+                             stride_wk, stride_wn, group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
         xs = xs_next
     _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
@@ -663,7 +686,7 @@ def _pair_order_x(x, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
-                             group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                             stride_wk, stride_wn, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                              FINISH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr,
                              ASM: tl.constexpr, PDL: tl.constexpr):
@@ -677,7 +700,7 @@ def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
     Triton from moving the values' layout conversion above the inline asm."""
     ROWS: tl.constexpr = BLOCK_K // 8
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
-    _start_swap(w_ptr, k_begin // 8 + r, offs_n, tl.cdiv(K, 8), N, PDL)
+    _start_swap(w_ptr, k_begin // 8 + r, offs_n, tl.cdiv(K, 8), N, stride_wk, stride_wn, PDL)
     i = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m[None, :] * stride_xm
     word_rows = tl.cdiv(K, 8)
@@ -687,8 +710,8 @@ def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
             x = tl.load(x_rows + (k0 + i)[:, None], mask=m_ok[None, :], other=0.0)
         else:
             x = tl.load(x_rows + (k0 + i)[:, None], mask=m_ok[None, :] & (k0 + i < k_end)[:, None], other=0.0)
-        w, _, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, k0 // 8 + r, k0, offs_n, word_rows, N, group_size, 4,
-                                       HAS_ZERO, False, EVEN_K)
+        w, _, scale, base = _swap_tile(w_ptr, s_ptr, z_ptr, _word_row(k0, 4, ROWS) + r, k0, offs_n, word_rows, N,
+                                       stride_wk, stride_wn, group_size, 4, HAS_ZERO, False, EVEN_K)
         part = tl.dot(_pair_values(_pair_words(w, BLOCK_K), x_ptr.dtype.element_ty, ASM),
                       _pair_order_x(x, BLOCK_K, BLOCK_M), out_dtype=tl.float32)
         if HAS_ZERO:  # sum_k (q - 8 - z) x = sum_k (q - 8) x - z sum_k x: the values stay a unary op's output
@@ -698,7 +721,7 @@ def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
 
 
 @triton.jit
-def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wk, stride_wn, group_size,
                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
     """out [K, N] (x's dtype) = the dequantized weight, transposed: stores run along N, coalesced. A third
@@ -716,7 +739,8 @@ def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
     k0 = tl.program_id(1) * BLOCK_K
     r = tl.arange(0, ROWS)
     i = tl.arange(0, PER_WORD)
-    q = _tile_values(w_ptr, k0 // PER_WORD + r, offs_n, tl.cdiv(K, PER_WORD), N, i * BITS, BITS)  # [P, R, BN]
+    q = _tile_values(w_ptr, _word_row(k0, BITS, ROWS) + r, offs_n, tl.cdiv(K, PER_WORD), N, stride_wk, stride_wn,
+                     i * BITS, BITS)  # [P, R, BN]
     group = k0 // group_size
     offset = _tile_offset(z_ptr, group, offs_n, N, HAS_ZERO, BITS)
     scale = tl.load(s_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)

@@ -54,8 +54,22 @@ def words_per_column(in_features: int, bits: int) -> int:
     return -(-in_features // per_word)
 
 
+# How the packed [K/P, N] words lie in memory: along N (False, GPTQ's order: a word row of every output
+# contiguous), or along K (True: each output's words contiguous, compressed-tensors' own [N, K/P] rows held as a
+# transposed view, so loading copies nothing and a tensor-core tile's words load as 16-byte vectors). The kernels
+# index by strides and take either. Along N measured faster where it counts (H100, 6.7B shape, engine: batch 1
+# 1.08x, batch 16 level, a 128-token prefill 2% slower; benchmarks/kernel_wna16.py words and engine_throughput.py
+# quick --words time both).
+WORDS_ALONG_K = False
+
+
+def hold(packed: torch.Tensor) -> torch.Tensor:
+    """Packed words [K/P, N] in the layout the kernels are given (WORDS_ALONG_K); no copy where they are."""
+    return packed.t().contiguous().t() if WORDS_ALONG_K else packed.contiguous()
+
+
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed integers [N, K] (int8) → packed int32 [ceil(K/P), N]."""
+    """Signed integers [N, K] (int8) → packed int32 [ceil(K/P), N], held as `hold` lays it out."""
     per_word = 32 // bits
     n, k = values.shape
     rows = words_per_column(k, bits)
@@ -64,13 +78,14 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per_word, dtype=torch.int64, device=values.device) * bits
     words = (unsigned.view(n, rows, per_word) << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement in 32 bits
-    return words.to(torch.int32).t().contiguous()
+    return hold(words.to(torch.int32).t())
 
 
 def from_rows(rows: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' words [N, K/P] (K a whole number of words) → packed [K/P, N]: the same words,
-    transposed (pack() of the unpacked values gives exactly this; this skips the unpack and repack)."""
-    return rows.t().contiguous()
+    transposed (pack() of the unpacked values gives exactly this; this skips the unpack and repack): a view of
+    the rows where the words are held along K, else a transposed copy."""
+    return hold(rows.t())
 
 
 def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
@@ -257,7 +272,10 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch
     block_k = _block_k(blocks, k, group_size)
     out = torch.empty(*packed.shape[:-2], k, n, dtype=dtype, device=packed.device)
     grid = (triton.cdiv(n, blocks.block_n), triton.cdiv(k, block_k), packed.shape[0] if packed.dim() == 3 else 1)
-    dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, group_size, BITS=bits,
+    if packed.dim() == 3:  # the kernel steps through a stack of experts as one contiguous block
+        packed = packed.contiguous()
+    dequantize_kernel[grid](packed, scale, zero if zero is not None else scale, out, n, k, packed.stride(-2),
+                            packed.stride(-1), group_size, BITS=bits,
                             HAS_ZERO=zero is not None, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
                             num_warps=blocks.num_warps, **dependent_launch(packed, default_off=True))
     return out
@@ -419,14 +437,14 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
                   **dependent_launch(x, default_off=not gemv))
     grid = (*grid, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
-            group_size, per_split)
+            packed.stride(0), packed.stride(1), group_size, per_split)
     # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
     spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
-        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
+        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, EVEN_K=k % block_k == 0, **common)
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
-        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
+        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, EVEN_K=k % block_k == 0, **common)
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
         kernels.wna16_swap_bf16x2_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
