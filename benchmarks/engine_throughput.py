@@ -67,6 +67,17 @@ def ready_engine(model, config):
     return _ENGINES[key]
 
 
+def release_engines() -> None:
+    """Let every cached engine go, and the GPU memory their KV caches and graphs held (before the parts of a run
+    that need room of their own: the agreement's reference path dequantizes each weight whole)."""
+    import gc
+
+    _ENGINES.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def time_engine(model, prompts: list[list[int]], new_tokens: int, config) -> float:
     from quantship.engine.sampling_params import SamplingParams
 
@@ -380,6 +391,7 @@ def run_w4a16(hf, ours, w4, allocated: int, config, batches, prompt_len, new_tok
             print(rows[-1], flush=True)
         ttft = {"w4a16": time_ttft(w4, None, 2048, config), "bf16": time_ttft(ours, hf, 2048, config)}
         print(ttft, flush=True)
+        release_engines()  # up to four whole KV caches: the profile and the agreement's reference need the room
         profile_decode(w4, ours.config.vocab_size)
         if agreement:
             agreement = greedy_agreement(w4, w4, ours.config.vocab_size)

@@ -146,7 +146,9 @@ def candidates(m: int):
             # one product per K tile, two values per instruction: 64 or 128 rows of x a program (a wgmma's N)
             Blocks("swap_bf16x2", rows, bn, bk, split, warps, 3, rows_first=first)
             for rows, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 64, 4)) for bk in (64, 128)
-            for split in (1, 2) for first in (False, True) if split == 1 or rows == 128]
+            for split in (1, 2) for first in (False, True) if split == 1 or rows == 128] + [
+            # K split 4 and 8 (256 outputs over two warp groups were no candidates: as compiled for sm_90 they spill)
+            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, rows_first=True) for bk in (64, 128) for split in (4, 8)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -333,7 +335,10 @@ def _words_text() -> list[str]:
             "a layer's four calls, the same int4 weights held along N (GPTQ's order, each word row of all outputs "
             "contiguous; `wna16.WORDS_ALONG_K` holds this one) and along K (compressed-tensors' own order, each "
             "output's words contiguous), alternating:", "",
-            table(["M", "along N µs", "along K µs", "speed-up along K"], rows), ""]
+            table(["M", "along N µs", "along K µs", "speed-up along K"], rows), "",
+            "Along K every tile's words load as 16-byte vectors (the sm_90 compile test checks it), yet a layer's calls "
+            "come out within 4% either way, and in the engine (`engine_throughput.py quick --words`, stop 43 in the "
+            "quick re-runs) batch 1 decoded 7% slower along K and batch 16 level: the words stay along N.", ""]
 
 
 REMOVED_KINDS = {"dot"}  # swept once and slower everywhere: gone from kernels.wna16
@@ -437,6 +442,10 @@ PARTIAL_SWEEPS = {
     "kernel_wna16_m128": "the prefill rows with `swap_x` tiles of 128 rows of x (a wgmma's N of 128, each weight tile "
                          "dequantized once per 128 rows): 1.3x slower than dequantize + cuBLAS at 128 rows, 1.7x at "
                          "256 and 2.5x at 2,048, so they are no candidates any more",
+    "kernel_wna16_m128_splits": "`swap_bf16x2` at 128 rows (a 128-token prompt's dense calls) with K split 4 (stop "
+                                "43, run as `--name kernel_wna16_m128`, renamed here): 238 µs a layer against 280 "
+                                "for the table's split 2, adopted; 256 outputs over two warp groups spill registers "
+                                "as compiled for sm_90 and were left out",
 }
 
 
