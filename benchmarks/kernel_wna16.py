@@ -163,6 +163,9 @@ def candidates(m: int):
     # one product per K tile, its values two per bf16x2 instruction (about half the swap tiles' instructions)
     out += [Blocks("swap_bf16x2", rows, bn, bk, split, 4, 3) for bn in (64, 128) for bk in (128, 256)
             for split in (0, 4, 8)]
+    if m > 16:  # two warp groups over 128 outputs: as compiled for sm_90 the 4-warp tiles of 32 and 64 rows spill
+        # registers (255 and a stack), these take 125-199 and do not
+        out += [Blocks("swap_bf16x2", rows, 128, bk, split, 8, 3) for bk in (64, 128, 256) for split in (0, 2, 4)]
     # (deeper pipelines over 64-deep tiles and two warp groups over 128 or 256 outputs were swept at 16 rows
     # once, kernel_wna16_bf16x2_m16, and none led: not candidates)
     if m >= 32:

@@ -25,7 +25,16 @@ def on_gpu_kernel(x: torch.Tensor) -> bool:
 # 2^-9 off what it gave for queries the rope kernel rotated).
 PLAIN_ROUNDING = {"enable_fp_fusion": False}
 
-_DEPENDENT_LAUNCH: dict[int, bool] = {}
+_MAJOR: dict[int, int] = {}
+
+
+def capability_major(x: torch.Tensor) -> int:
+    """The compute capability's major version of the GPU x is on (9 for Hopper), asked once per device: launches
+    read it on every eager call."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _MAJOR:
+        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _MAJOR[index]
 
 
 def pdl_asked(default_off: bool = False) -> bool:
@@ -45,11 +54,6 @@ def dependent_launch(x: torch.Tensor, default_off: bool = False) -> dict:
     faster there and bf16's 1% (`benchmarks/engine_throughput.py quick --pdl`, BENCHMARKS.md), with the
     same greedy tokens. QUANTSHIP_PDL=0 turns it off, =1 on for every kernel. CI checks what each kernel
     compiles to with it."""
-    on = False
-    if x.is_cuda and pdl_asked(default_off):
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if index not in _DEPENDENT_LAUNCH:
-            _DEPENDENT_LAUNCH[index] = torch.cuda.get_device_capability(index)[0] >= 9
-        on = _DEPENDENT_LAUNCH[index]
+    on = x.is_cuda and pdl_asked(default_off) and capability_major(x) >= 9
     # launch_pdl only when on: Triton before 3.3 has no such launch option
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

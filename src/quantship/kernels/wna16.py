@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from quantship.kernels import dependent_launch
+from quantship.kernels import capability_major, dependent_launch
 
 
 def words_per_column(in_features: int, bits: int) -> int:
@@ -367,7 +367,7 @@ def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
     otherwise, so each tile shape is checked once per device against the shifts-and-masks path (never during
     CUDA-graph capture: the plain path takes those calls until an eager call has checked it)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and blocks.block_n % (16 * blocks.num_warps) == 0
-            and torch.cuda.get_device_capability(x.device)[0] == 9):
+            and capability_major(x) == 9):
         return False
     key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages)
     if key not in _PAIRS_CHECKED:
