@@ -449,6 +449,11 @@ PARTIAL_SWEEPS = {
                                 "43, run as `--name kernel_wna16_m128`, renamed here): 238 µs a layer against 280 "
                                 "for the table's split 2, adopted; 256 outputs over two warp groups spill registers "
                                 "as compiled for sm_90 and were left out",
+    "kernel_wna16_warps": "`swap_bf16x2` at 32 and 64 rows with two warp groups over 128 outputs (stop 43: as "
+                          "compiled for sm_90 the 4-warp tiles there spill registers, these do not) and at 128 rows "
+                          "with K split 8: none led (the best 8-warp tiles 3-5% behind); the sweep's winners, "
+                          "adopted, differ from the table's tiles by 0.5% at 64 rows and 2% at 128 (the K split "
+                          "added into a zeroed float32 y, not finished in the kernel)",
 }
 
 

@@ -164,7 +164,7 @@ GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per progra
 # row: the bf16x2 GEMV (an H200 sweep), and where its PTX cannot run (int8, fp16, off the GPU) the float32
 # GEMV's own entry. 2 to 128 rows: swap_bf16x2 (an H100 sweep of it beside the earlier table, a layer's calls:
 # 1.17x the swap_x tile's speed at 16 rows, 1.25x at 32, 1.18x the swap tile's at 64, 1.25x dequantize +
-# cuBLAS's at 128, where a later H100 sweep of its K splits took 4 over 2: 238 µs a layer against 280); where it
+# cuBLAS's at 128, where later H100 sweeps took K split 4 over 2: 230-238 µs a layer against 280); where it
 # cannot take the weight (int8, groups of 16) swap_x's products with the same tiles, or dequantize + cuBLAS past
 # 64 rows. Past the last class dequantize + cuBLAS.
 BLOCKS_BY_M = [
@@ -172,8 +172,8 @@ BLOCKS_BY_M = [
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
     (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3)),
     (32, Blocks("swap_bf16x2", 32, 128, 256, 0, 4, 3)),
-    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 4, 3)),
-    (128, Blocks("swap_bf16x2", 128, 128, 64, 4, 8, 3, rows_first=True)),
+    (64, Blocks("swap_bf16x2", 64, 128, 256, 0, 4, 3)),
+    (128, Blocks("swap_bf16x2", 128, 128, 64, 4, 8, 3, finish=False, rows_first=True)),
     (None, Blocks("dequantize", 0, 256, 64, 1, 4, 1)),
 ]
 
