@@ -11,6 +11,8 @@ the L2 cache (60 MB) cold, so launch overhead and cache hits stay out; the media
 is kept. GB/s counts the bytes a call must read: packed weight + scales (+ zero points) + x + y.
 --sweep also times candidate tile shapes per M class on the four Linear calls of one decoder layer
 (SWEEP_SHAPES) and prints the best by their sum, for the table kernels/wna16.py keeps (a few minutes more).
+`words` times the table's kernels on those four calls with the packed words held along N and along K
+(kernels/wna16.py WORDS_ALONG_K), alternating, into kernel_wna16_words.json (about a minute).
 """
 
 from __future__ import annotations
