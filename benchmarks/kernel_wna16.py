@@ -170,6 +170,9 @@ def candidates(m: int):
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 8, 3) for bk in (64, 128, 256) for split in (0, 2, 4)]
     # (deeper pipelines over 64-deep tiles and two warp groups over 128 or 256 outputs were swept at 16 rows
     # once, kernel_wna16_bf16x2_m16, and none led: not candidates)
+    if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
+        out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
+                for split in (0, 4, 8)]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
@@ -371,7 +374,8 @@ def _short(b) -> str:
                                                                                        f"K split {b.split_k}")
     rows = "" if b.kind.startswith("gemv") else f"{b.block_m} rows x "
     order = ", row blocks first" if b.rows_first else ""
-    return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}{order}"
+    cap = f", at most {b.max_registers} registers" if b.max_registers else ""
+    return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}{order}{cap}"
 
 
 def _layer_rows(r: dict) -> list[list]:
@@ -544,7 +548,8 @@ def render() -> None:
 def _source(b) -> str:
     """A Blocks as kernels/wna16.py writes it."""
     text = f'Blocks("{b.kind}", {b.block_m}, {b.block_n}, {b.block_k}, {b.split_k}, {b.num_warps}, {b.num_stages}'
-    return text + (", finish=False" if not b.finish else "") + (", rows_first=True" if b.rows_first else "") + ")"
+    return (text + (", finish=False" if not b.finish else "") + (", rows_first=True" if b.rows_first else "")
+            + (f", max_registers={b.max_registers}" if b.max_registers else "") + ")")
 
 
 def adopted_table(r: dict, current: list | None = None):

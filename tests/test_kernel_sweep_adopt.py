@@ -107,3 +107,16 @@ def test_a_sweep_ranks_tiles_that_ran_on_every_shape_and_keeps_each_shapes_faste
     assert [(Blocks(**b), t) for b, t in r["ranking"]["16"]] == [(fast_everywhere, 8.0)]
     assert Blocks(**r["by_shape"]["q/o_proj 4096x4096"]["16"][0][0]) == fast_on_qo
     assert Blocks(**r["by_shape"]["down 4096x11008"]["16"][0][0]) == fast_everywhere
+
+
+def test_a_register_capped_tile_is_adopted_and_written_with_its_cap():
+    """A 16-row tile winning with ptxas' register cap keeps the cap in the table's source, and the candidates at
+    16 rows include capped tiles (the uncapped one compiles to 130 registers for sm_90)."""
+    capped = Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, max_registers=128)
+    assert capped in kernel_wna16.candidates(16)
+    r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "16": [(capped, 1.0), (SWAP, 1.1)]})
+    table, _ = kernel_wna16.adopted_table(r, current=[(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (None, WHOLE)])
+    assert table[2] == (16, capped)
+    source = kernel_wna16._source(capped)
+    assert source == 'Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, max_registers=128)'
+    assert eval(source, {"Blocks": Blocks}) == capped

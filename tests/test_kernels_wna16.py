@@ -121,6 +121,8 @@ def test_kernel_equals_reference(bits, group, symmetric, m, n, k):
                                     wna16.Blocks("gemv", 1, 32, 64, -1, 1, 1, finish=False),
                                     wna16.Blocks("swap_x", 16, 32, 256, 3, 4, 1),  # x as it is, spans groups
                                     wna16.Blocks("swap_x", 32, 16, 128, 0, 4, 2),  # rows masked, splits
+                                    # a register cap: ptxas' on a GPU (the interpreter has none to cap)
+                                    wna16.Blocks("swap_bf16x2", 16, 32, 128, 2, 4, 1, max_registers=128),
                                     wna16.Blocks("dequantize", 0, 32, 64)])
 def test_every_tile_shape_and_split_agrees(blocks):
     values, scale, zero = random_quantized(50, 512, 4, 64, False, seed=3)

@@ -155,6 +155,9 @@ class Blocks:
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
     rows_first: bool = False  # swap tiles over several row blocks of x: the grid walks the row blocks first,
     # so a weight tile's programs for every row block run together and all but one read it from L2
+    max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
+    # compiled for sm_90 the 16-row swap_bf16x2 tile takes 130, two more than lets four of its programs share a
+    # multiprocessor
 
 
 GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
@@ -435,7 +438,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     sums, counters = workspace or (y, y)
     common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
                   BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-                  **dependent_launch(x, default_off=not gemv))
+                  **dependent_launch(x, default_off=not gemv),
+                  **({"maxnreg": blocks.max_registers} if blocks.max_registers and x.is_cuda else {}))
     grid = (*grid, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
             packed.stride(0), packed.stride(1), group_size, per_split)
