@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -407,12 +408,25 @@ def run_w4a16(hf, ours, w4, allocated: int, config, batches, prompt_len, new_tok
 
 
 def kernels_text(w: dict) -> str:
-    """Which int4 kernels a run's W4A16 Linears took, from what it recorded (runs before the record: the
-    table of their time, tinygemm up to 8 rows)."""
+    """Which int4 kernels a run's W4A16 Linears took, from the kernel table it recorded (runs before the record:
+    the table of their time, tinygemm up to 8 rows)."""
     tinygemm = w.get("tinygemm_max_m", 8)
+    spans = []  # [first row, last row (None: no end), kind], neighbouring classes of one kind merged
+    for limit, kind in re.findall(r"\((\d+|None), Blocks\(kind='(\w+)'", w.get("kernel_table", "")):
+        last = None if limit == "None" else int(limit)
+        below = spans[-1][1] if spans else 0
+        if last is not None and last <= below:  # a second entry for the same rows (the float32 GEMV)
+            continue
+        if spans and spans[-1][2] == kind:
+            spans[-1][1] = last
+        else:
+            spans.append([below + 1, last, kind])
+    table = "; ".join(
+        f"{'one row' if last == 1 else f'past {first - 1} rows' if last is None else f'{first}-{last} rows'}: "
+        f"{'dequantize + cuBLAS' if kind == 'dequantize' else kind}" for first, last, kind in spans
+    ) or "one row: a GEMV; up to 64: the swap tile; beyond: dequantize + cuBLAS"
     return ((f"ran PyTorch's tinygemm up to {tinygemm} rows, then " if tinygemm else "ran ")
-            + "the Triton kernel table of the run (one row: a GEMV; up to 64: the swap tile; beyond: dequantize "
-            "+ cuBLAS; kernels.wna16, see the kernel section below)")
+            + f"the Triton kernel table of the run ({table}; kernels.wna16, see the kernel section below)")
 
 
 def print_host_functions(title: str, work) -> None:

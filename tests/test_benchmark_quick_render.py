@@ -35,3 +35,20 @@ def test_a_pdl_run_renders_both_settings(monkeypatch, tmp_path):
     assert "| made up | TTFT 2048 | 72.0 ms | 70.0 ms | 0.97x |  |  | transformers bf16 63.0 ms: W4A16 0.88x" in text
     assert "| made up, PDL on | TTFT 2048 | 70.0 ms | 70.0 ms | 1.00x |  |  | transformers bf16 63.0 ms: W4A16 " \
         "0.90x, bf16 0.90x of its speed |" in text
+
+
+def test_the_kernels_a_run_took_are_read_from_the_table_it_recorded():
+    from quantship.kernels import wna16
+
+    text = engine_throughput.kernels_text({"tinygemm_max_m": 0, "kernel_table": repr(wna16.BLOCKS_BY_M)})
+    kinds = [b.kind for _, b in wna16.BLOCKS_BY_M]
+    assert text.startswith("ran the Triton kernel table of the run (one row: gemv_bf16x2; ")
+    assert "gemv;" not in text  # the float32 GEMV's entry is for the same row: not a class of its own
+    assert f"past {wna16.BLOCKS_BY_M[-2][0]} rows: dequantize + cuBLAS" in text and kinds[-1] == "dequantize"
+    older = ("[(1, Blocks(kind='gemv_bf16x2', block_m=1)), (16, Blocks(kind='swap_x', block_m=16)), "
+             "(32, Blocks(kind='swap_x', block_m=32)), (64, Blocks(kind='swap_dot', block_m=64)), "
+             "(None, Blocks(kind='dequantize', block_m=0))]")
+    assert engine_throughput.kernels_text({"tinygemm_max_m": 8, "kernel_table": older}) == (
+        "ran PyTorch's tinygemm up to 8 rows, then the Triton kernel table of the run (one row: gemv_bf16x2; 2-32 "
+        "rows: swap_x; 33-64 rows: swap_dot; past 64 rows: dequantize + cuBLAS; kernels.wna16, see the kernel "
+        "section below)")
