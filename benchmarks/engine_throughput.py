@@ -565,8 +565,8 @@ def pdl_setting(on: bool | str | None):
 
 @contextlib.contextmanager
 def words_along_k(along_k: bool | None):
-    """The packed words' layout (kernels.wna16.WORDS_ALONG_K) for the models quantized, and the engines built
-    (which merge projections), inside: along K (True), along N (False), or the default (None)."""
+    """The packed words' layout (kernels.wna16.WORDS_ALONG_K) for the models quantized inside: along K (True),
+    along N (False), or the default (None). The engines' merged projections keep their parts' layout."""
     from quantship.kernels import wna16
 
     before = wna16.WORDS_ALONG_K
@@ -609,18 +609,15 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     if words:
         sides["w4a16_words_k"] = (w4_k, None)
 
-    def setting(name):  # the side's PDL and, for w4a16_words_k, its words' layout for the engine's merges
-        return words_along_k(True if name == "w4a16_words_k" else None), pdl_setting(sides[name][1])
-
     def timed(name, *args):
-        layout, launch = setting(name)
-        with layout, launch:
-            return time_engine(sides[name][0], *args)
+        model, on = sides[name]
+        with pdl_setting(on):
+            return time_engine(model, *args)
 
     def anatomy(name, batch, **kw):
-        layout, launch = setting(name)
-        with layout, launch:
-            return step_anatomy(sides[name][0], config, batch, **kw)
+        model, on = sides[name]
+        with pdl_setting(on):
+            return step_anatomy(model, config, batch, **kw)
 
     rows = []
     with torch.inference_mode():
@@ -640,9 +637,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             rows.append(row)
             print(rows[-1], flush=True)
         ttft = {}
-        for name, (model, _) in sides.items():
-            layout, launch = setting(name)
-            with layout, launch:
+        for name, (model, on) in sides.items():
+            with pdl_setting(on):
                 ttft[name] = time_ttft(model, None, 2048, config) | {"transformers_s": theirs}
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None

@@ -306,9 +306,8 @@ def words(out: Path, ms: tuple[int, ...] = WORDS_MS) -> None:
     for label in SWEEP_SHAPES:
         n, k = SHAPES[label]
         copies = max(2, (256 << 20) // (n * k // 2))
-        by_layout = {False: random_packed(n, k, 4, True, copies)}
-        wna16.WORDS_ALONG_K = True  # the same words, held the other way
-        by_layout[True] = [(wna16.hold(packed), scale, zero) for packed, scale, zero in by_layout[False]]
+        by_layout = {False: random_packed(n, k, 4, True, copies)}  # the same words, held the other way too:
+        by_layout[True] = [(wna16.hold(packed, along_k=True), scale, zero) for packed, scale, zero in by_layout[False]]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             reference = wna16.reference_matmul(x, *by_layout[True][0], 4, k, GROUP)
@@ -323,7 +322,6 @@ def words(out: Path, ms: tuple[int, ...] = WORDS_MS) -> None:
             for along_k in times:
                 layer[along_k][m] = layer[along_k].get(m, 0.0) + statistics.median(times[along_k])
         print(label, {m: (layer[True][m], layer[False][m]) for m in ms}, flush=True)
-    wna16.WORDS_ALONG_K = False
     result = {"device": torch.cuda.get_device_name(), "group_size": GROUP, "table": _table_text(wna16.BLOCKS_BY_M),
               "layer_s": {"k": layer[True], "n": layer[False]}, "shapes": list(SWEEP_SHAPES), "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
@@ -526,8 +524,9 @@ def render() -> None:
              *_sweep_text(r),
              *_partial_sweep_text(),
              *_words_text(),
-             "Since those sweeps the table takes `swap_x` from 2 to 32 rows, where it was the fastest, and keeps "
-             "the swap tile at 64; the engine section's H100 quick runs show the decode step with each. The H200 "
+             "Since those sweeps the table took `swap_x` from 2 to 32 rows and kept the swap tile at 64, and since "
+             "stop 42 it takes `swap_bf16x2` from 2 to 128 rows (the partial sweeps below); the engine section's "
+             "H100 quick runs show the decode step with each. The H200 "
              "figures below are from before it, and from before the GEMVs loaded x's K tile once (stop 38: 23-44% "
              "fewer instructions in their compiled PTX). The H100 sweep of stop 39 (the partial sweep below) timed "
              "the new GEMV at one row: 56 µs for a layer's four calls against 159 µs of bf16 cuBLAS (2.8x), "

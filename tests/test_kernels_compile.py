@@ -78,7 +78,7 @@ for bits in (4, 8):
                 asm = [line for line in kernel.asm["ttgir"].splitlines() if "elementwise_inline_asm" in line and "lop3" in line]
                 assert len(asm) == 1 and "-> tensor<128x%dxbf16, #ttg.dot_op<{opIdx = 0" % block_k in asm[0], asm
         # Words held along K (stride_wk 1, as wna16.hold lays them out) load as 16-byte vectors in whole tiles,
-        # the GEMV's straight into registers, the tiles' into shared memory; along N the tiles' take a word each
+        # the GEMV's straight into registers, the tiles' into shared memory
         along_k = dict(matmul, stride_wk="constexpr")
         for fn, extra, vector in ((wna16.wna16_gemv_kernel, dict(SPANS=False, GATED=False), ".v4.b32"),
                                   (wna16.wna16_swap_x_kernel, dict(BLOCK_M=16, BLOCK_K=16 * 32 // bits, SPANS=False,

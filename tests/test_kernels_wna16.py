@@ -89,7 +89,9 @@ def test_words_from_a_checkpoint_are_held_without_a_copy_and_merged_in_the_same_
         monkeypatch.setattr(wna16, "WORDS_ALONG_K", along_k)
         held = wna16.from_rows(rows)
         assert torch.equal(held, rows.t()) and (held.data_ptr() == rows.data_ptr()) == along_k
+        assert wna16.held_along_k(held) == along_k
         parts = [PackedLinear.from_rows(rows, scale.t(), None, 4, 128) for _ in range(2)]
+        monkeypatch.setattr(wna16, "WORDS_ALONG_K", not along_k)  # merging follows the parts, not the setting
         merged = PackedLinear.concatenated(parts).weight_packed
         assert torch.equal(merged, torch.cat([rows.t(), rows.t()], dim=1))
         assert merged.stride() == ((1, 32) if along_k else (48, 1))

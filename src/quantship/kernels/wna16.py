@@ -63,9 +63,14 @@ def words_per_column(in_features: int, bits: int) -> int:
 WORDS_ALONG_K = False
 
 
-def hold(packed: torch.Tensor) -> torch.Tensor:
-    """Packed words [K/P, N] in the layout the kernels are given (WORDS_ALONG_K); no copy where they are."""
-    return packed.t().contiguous().t() if WORDS_ALONG_K else packed.contiguous()
+def hold(packed: torch.Tensor, along_k: bool | None = None) -> torch.Tensor:
+    """Packed words [K/P, N] laid out along K or along N (None: as WORDS_ALONG_K says); no copy where they are."""
+    return packed.t().contiguous().t() if (WORDS_ALONG_K if along_k is None else along_k) else packed.contiguous()
+
+
+def held_along_k(packed: torch.Tensor) -> bool:
+    """Whether packed words [K/P, N] lie along K (each output's words contiguous; see WORDS_ALONG_K)."""
+    return packed.shape[0] > 1 and packed.stride(0) == 1
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -438,7 +443,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     sums, counters = workspace or (y, y)
     common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
                   BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-                  **dependent_launch(x, default_off=not gemv),
+                  EVEN_K=k % block_k == 0, **dependent_launch(x, default_off=not gemv),
                   **({"maxnreg": blocks.max_registers} if blocks.max_registers and x.is_cuda else {}))
     grid = (*grid, splits)
     args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
@@ -446,20 +451,20 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
     spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
-        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, EVEN_K=k % block_k == 0, **common)
+        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
-        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, EVEN_K=k % block_k == 0, **common)
+        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
-        kernels.wna16_swap_bf16x2_kernel[grid](*args, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
+        kernels.wna16_swap_bf16x2_kernel[grid](*args, BLOCK_M=blocks.block_m,
                                                ROWS_FIRST=rows_first,
                                                ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None
                                                else pairs_asm, **common)
     elif blocks.kind == "swap_x":
-        kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
+        kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m,
                                           ROWS_FIRST=rows_first, **common)
     else:
-        kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, EVEN_K=k % block_k == 0, BLOCK_M=blocks.block_m,
+        kernels.wna16_swap_dot_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m,
                                             ROWS_FIRST=rows_first, **common)
     return y.to(x.dtype).reshape(*shape[:-1], n)

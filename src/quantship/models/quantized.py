@@ -131,7 +131,8 @@ class PackedLinear(nn.Module):
         for name in ("weight_packed", "weight_scale", "weight_zero_point"):
             tensors = [getattr(p, name) for p in parts]
             merged.register_buffer(name, None if tensors[0] is None else torch.cat(tensors, dim=1))
-        merged.weight_packed = wna16.hold(merged.weight_packed)  # cat lays its result out along N
+        # cat lays its result out along N: the merged words lie as the parts' do
+        merged.weight_packed = wna16.hold(merged.weight_packed, wna16.held_along_k(first.weight_packed))
         biases = [p.bias for p in parts]
         merged.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
         merged._decode = None
