@@ -404,7 +404,7 @@ def run_w4a16(hf, ours, w4, allocated: int, config, batches, prompt_len, new_tok
 
     return {"rows": rows, "weight_bytes": total, "routed_bytes": routed, "packed_linear_bytes": packed,
             "allocated_bytes": allocated, "ttft": ttft, "agreement": agreement,
-            "tinygemm_max_m": wna16.TINYGEMM_MAX_M, "kernel_table": repr(wna16.BLOCKS_BY_M)}
+            "tinygemm_max_m": wna16.TINYGEMM_MAX_M, "kernel_table": repr(wna16.table_for(torch.cuda.get_device_name()))}
 
 
 def kernels_text(w: dict) -> str:

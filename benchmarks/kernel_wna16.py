@@ -121,7 +121,8 @@ def candidates(m: int):
     (memset, kernel, cast), so the run shows what finishing in the kernel gained."""
     from quantship.kernels.wna16 import Blocks, choose_blocks
 
-    out = [choose_blocks(m), replace(choose_blocks(m), finish=False)]
+    entry = choose_blocks(m, device=this_device())
+    out = [entry, replace(entry, finish=False)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
@@ -225,7 +226,7 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
         print({key: (f"{v:.3g}" if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
         if sweep and m in SWEEP_MS and label in SWEEP_SHAPES:
             reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
-            entry = wna16.choose_blocks(m)  # the table's entry, both ways, is timed in any sweep
+            entry = wna16.choose_blocks(m, device=this_device())  # the table's entry, both ways, is timed in any sweep
             for blocks in dict.fromkeys(candidates(m)):  # the table's entry may be a candidate too
                 if kinds and blocks.kind not in kinds and blocks not in (entry, replace(entry, finish=False)):
                     continue
@@ -273,10 +274,9 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
     by_shape = {label: {m: [(asdict(b), t) for b, t in sorted(times.items(), key=lambda kv: kv[1])[:5]]
                         for m, times in per_shape.items()} for label, per_shape in shape_sweeps.items()}
     from quantship.kernels import dependent_launch, wna16
-    from quantship.kernels.wna16 import BLOCKS_BY_M
 
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "group_size": GROUP,
-              "table": _table_text(BLOCKS_BY_M),
+              "table": _table_text(wna16.table_for(this_device())),
               "errors": errors, "rows": rows, "ranking": ranking, "by_shape": by_shape,
               "sweep_shapes": list(SWEEP_SHAPES), "kinds": list(kinds),
               "words": "k" if wna16.WORDS_ALONG_K else "n",
@@ -322,7 +322,8 @@ def words(out: Path, ms: tuple[int, ...] = WORDS_MS) -> None:
             for along_k in times:
                 layer[along_k][m] = layer[along_k].get(m, 0.0) + statistics.median(times[along_k])
         print(label, {m: (layer[True][m], layer[False][m]) for m in ms}, flush=True)
-    result = {"device": torch.cuda.get_device_name(), "group_size": GROUP, "table": _table_text(wna16.BLOCKS_BY_M),
+    result = {"device": torch.cuda.get_device_name(), "group_size": GROUP,
+              "table": _table_text(wna16.table_for(this_device())),
               "layer_s": {"k": layer[True], "n": layer[False]}, "shapes": list(SWEEP_SHAPES), "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_wna16_words.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -410,10 +411,11 @@ def _table_text(table) -> str:
 
 def _table_note(r: dict) -> str:
     """Whether the Triton columns ran with the table the code now has (runs before this key: unknown)."""
-    from quantship.kernels.wna16 import BLOCKS_BY_M
+    from quantship.kernels.wna16 import table_for
 
-    if r.get("table") == _table_text(BLOCKS_BY_M):
-        return "The Triton columns ran with the table the code has now (kernels.wna16.BLOCKS_BY_M)."
+    if r.get("table") == _table_text(table_for(r.get("device"))):
+        return (f"The Triton columns ran with the table the code has now for the {r.get('device')} "
+                "(kernels.wna16.table_for).")
     note = ("The Triton columns ran with the table the run started with; the code now has the sweep's winners "
             "(last column of the layer table below).")
     if "pairs=True" in r.get("table", "") and "swap_dot" in r.get("table", ""):
@@ -594,12 +596,63 @@ def adopted_table(r: dict, current: list | None = None):
     return merged, tinygemm_rows
 
 
-def adopt(path: Path) -> None:
+def this_device() -> str | None:
+    """The GPU's name (the key of kernels.wna16.DEVICE_TILES), None without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+DEVICE_MIN_GAIN = 0.02  # a device's own tiles must beat the table's by this much in its sweep (its noise)
+
+
+def device_tiles(r: dict) -> dict:
+    """A sweep's winners as its device's own tiles (DEVICE_TILES' entry): for each class of BLOCKS_BY_M the
+    sweep timed, its fastest tiles of the class's kind where they ran at least DEVICE_MIN_GAIN faster than
+    BLOCKS_BY_M's (the sweep times the table's entry too). The classes and kinds stay the table's; where
+    another kind won a class, that is printed: a new table, for adopt without --device."""
+    from quantship.kernels.wna16 import BLOCKS_BY_M
+
+    ranking = runnable_ranking(r)
+    own = {}
+    for limit, ours in BLOCKS_BY_M:
+        times = dict(ranking.get(limit, []))
+        if ours not in times:  # a class the sweep did not time (or not the table's entry)
+            continue
+        theirs = min((b for b in times if b.kind == ours.kind), key=times.get)
+        if theirs != ours and times[theirs] < (1 - DEVICE_MIN_GAIN) * times[ours]:
+            own[(limit, ours.kind)] = theirs
+        first = ranking[limit][0][0]
+        if first.kind != ours.kind and ours.kind != "gemv":  # the float32 GEMV is the one-row fallback
+            print(f"M={limit}: {_short(first)} ran fastest on the {r['device']}, another kernel than the "
+                  f"table's {ours.kind}: not a device's tiles (adopt without --device makes it the table)")
+    return own
+
+
+def device_tiles_source(tiles: dict) -> str:
+    """DEVICE_TILES as kernels/wna16.py writes it (devices without tiles of their own left out)."""
+    entries = "".join(f"    {json.dumps(name)}: {{\n" + "".join(
+        f"        ({limit}, {json.dumps(kind)}): {_source(b)},\n" for (limit, kind), b in own.items()) + "    },\n"
+        for name, own in tiles.items() if own)
+    return f"{{\n{entries}}}"
+
+
+def adopt(path: Path, device: bool = False) -> None:
     """Write a sweep's winners into kernels/wna16.py (BLOCKS_BY_M, TINYGEMM_MAX_M): run on the GPU machine
     between the sweep and the engine benchmark, and here with the run's JSON, so both trees hold one table."""
-    table, tinygemm_rows = adopted_table(json.loads(path.read_text()))
+    r = json.loads(path.read_text())
     source = Path(__file__).parent.parent / "src/quantship/kernels/wna16.py"
     text = source.read_text()
+    if device:
+        from quantship.kernels.wna16 import DEVICE_TILES
+
+        tiles = {**DEVICE_TILES, r["device"]: device_tiles(r)}
+        text, count = re.subn(r"DEVICE_TILES: (.*) = \{\n(?:    .*\n)*?\}",
+                              lambda m: f"DEVICE_TILES: {m.group(1)} = {device_tiles_source(tiles)}", text)
+        assert count == 1, "kernels/wna16.py no longer has DEVICE_TILES where adopt looks for it"
+        source.write_text(text)
+        print(f"adopted for the {r['device']}:", *(f"M <= {limit} ({kind}): {_source(b)}"
+                                                  for (limit, kind), b in tiles[r["device"]].items()), sep="\n  ")
+        return
+    table, tinygemm_rows = adopted_table(r)
     entries = "".join(f"    ({limit}, {_source(b)}),\n" for limit, b in table)
     text, count = re.subn(r"BLOCKS_BY_M = \[\n(?:    .*\n)*?\]", lambda _: f"BLOCKS_BY_M = [\n{entries}]", text)
     text, count2 = re.subn(r"TINYGEMM_MAX_M = \d+", f"TINYGEMM_MAX_M = {tinygemm_rows}", text)
@@ -624,7 +677,10 @@ def main() -> None:
     w = sub.add_parser("words", help="the table's kernels with the words held along K and along N")
     w.add_argument("--out", type=Path, default=RESULTS)
     w.add_argument("--ms", type=int, nargs="+", default=list(WORDS_MS))
-    sub.add_parser("adopt").add_argument("result", type=Path, help="kernel_wna16.json of a --sweep run")
+    a = sub.add_parser("adopt")
+    a.add_argument("result", type=Path, help="kernel_wna16.json of a --sweep run")
+    a.add_argument("--device", action="store_true", help="as the swept GPU's own tiles (kernels.wna16.DEVICE_TILES) "
+                   "where they differ from the table, not as the table every GPU takes")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.cmd == "run":
@@ -635,7 +691,7 @@ def main() -> None:
     elif args.cmd == "words":
         words(args.out, tuple(args.ms))
     elif args.cmd == "adopt":
-        adopt(args.result)
+        adopt(args.result, args.device)
     else:
         render()
 

@@ -120,3 +120,22 @@ def test_a_register_capped_tile_is_adopted_and_written_with_its_cap():
     source = kernel_wna16._source(capped)
     assert source == 'Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, max_registers=128)'
     assert eval(source, {"Blocks": Blocks}) == capped
+
+
+def test_a_gpus_sweep_is_adopted_as_its_own_tiles_where_they_beat_the_tables_by_the_margin(monkeypatch, capsys):
+    """adopt --device: at one row a GEMV of the same kind 5% faster than the table's becomes the device's own
+    tile; at 16 rows one 1% faster does not (noise); at 64 rows another kernel ran fastest: printed as a new
+    table's case, and the device keeps the table's tile; classes the sweep did not time are left alone."""
+    table = [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (64, Blocks("swap_x", 64, 128, 128, 0, 4, 3)), (None, WHOLE)]
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", table)
+    wide = Blocks("gemv_bf16x2", 1, 512, 64, -1, 4, 1)
+    swap_deep = Blocks("swap_x", 16, 128, 128, 8, 4, 3)
+    r = ranking(**{"1": [(wide, 0.95), (GEMV, 1.0)], "16": [(swap_deep, 0.99), (SWAP, 1.0)],
+                   "64": [(WHOLE, 0.5), (table[3][1], 1.0)]})
+    r["device"] = "made up"
+    assert kernel_wna16.device_tiles(r) == {(1, "gemv_bf16x2"): wide}
+    assert "M=64: dequantize" in capsys.readouterr().out
+    monkeypatch.setattr(wna16, "DEVICE_TILES", {"made up": kernel_wna16.device_tiles(r)})
+    assert wna16.choose_blocks(1, device="made up") == wide and wna16.choose_blocks(1) == GEMV
+    source = kernel_wna16.device_tiles_source(wna16.DEVICE_TILES)
+    assert eval(source, {"Blocks": Blocks}) == wna16.DEVICE_TILES

@@ -407,6 +407,37 @@ def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
             assert chosen.kind in ("swap_dot", "swap_x", "swap_bf16x2")
 
 
+def test_a_gpus_own_tiles_replace_the_tables_in_their_class_only():
+    """DEVICE_TILES changes tiles, never the classes or their kernels (so what dequantizes, and from how many
+    rows, is the same on every GPU); a GPU without tiles of its own, or no GPU, takes BLOCKS_BY_M."""
+    kinds = [(limit, b.kind) for limit, b in wna16.BLOCKS_BY_M]
+    for device, own in wna16.DEVICE_TILES.items():
+        table = wna16.table_for(device)
+        assert [(limit, b.kind) for limit, b in table] == kinds
+        assert [entry for entry in table if entry not in wna16.BLOCKS_BY_M] == [
+            (limit, b) for (limit, _), b in own.items()]
+        for (limit, kind), blocks in own.items():
+            assert blocks.kind == kind and (kind == "gemv" or wna16.choose_blocks(limit, device=device) == blocks)
+    assert wna16.table_for("a GPU without tiles of its own") == wna16.table_for(None) == wna16.BLOCKS_BY_M
+    for m in (1, 16, 300):  # without the bf16x2 PTX one row takes the float32 GEMV's entry on any GPU
+        assert all(wna16.choose_blocks(m, bf16x2=False, device=d) == wna16.choose_blocks(m, bf16x2=False)
+                   for d in wna16.DEVICE_TILES if (m, "gemv") not in wna16.DEVICE_TILES[d])
+
+
+@pytest.mark.parametrize("device,limit,kind", [(d, limit, kind) for d, own in wna16.DEVICE_TILES.items()
+                                               for limit, kind in own])
+def test_a_gpus_own_tiles_give_the_reference(device, limit, kind):
+    """Each GPU's own tiles as the table holds them (not narrowed for the test) over an odd output count and
+    K tiles across groups (on CPU the bf16x2 GEMV's tiles run as the float32 GEMV)."""
+    blocks = wna16.DEVICE_TILES[device][(limit, kind)]
+    values, scale, zero = random_quantized(40, 512, 4, 64, False, seed=limit or 0)
+    packed, scale, zero = wna16.pack(values, 4).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+    x = torch.randn(limit or 300, 512, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    expected = wna16.reference_matmul(x, packed, scale, zero, 4, 512, 64)
+    out = wna16.matmul(x, packed, scale, zero, 4, 512, 64, blocks=blocks).float()
+    assert ((out - expected).norm() / expected.norm()) < 3e-3
+
+
 @pytest.mark.parametrize("bits,k", [(4, 300), (8, 64), (4, 128)])
 def test_permuted_x_puts_each_value_positions_inputs_side_by_side(bits, k):
     """permute_x moves input j*P + i of each block of 16 word rows to 16*i + j, zero-padded to whole

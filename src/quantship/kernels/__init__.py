@@ -37,6 +37,20 @@ def capability_major(x: torch.Tensor) -> int:
     return _MAJOR[index]
 
 
+_NAMES: dict[int, str] = {}
+
+
+def device_name(x: torch.Tensor) -> str | None:
+    """The name of the GPU x is on, as torch.cuda.get_device_name gives it ("NVIDIA H200"), asked once per
+    device; None off the GPU."""
+    if not x.is_cuda:
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _NAMES:
+        _NAMES[index] = torch.cuda.get_device_name(index)
+    return _NAMES[index]
+
+
 def pdl_asked(default_off: bool = False) -> bool:
     """Whether QUANTSHIP_PDL asks for programmatic dependent launch for a kernel (dependent_launch): 0 for
     none, 1 for every kernel, anything else (unset) for every kernel but those `default_off`."""

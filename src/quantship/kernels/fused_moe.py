@@ -179,6 +179,7 @@ def _slot_gemv(x: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: Ex
     inter, top_k = gate.out_features, indices.shape[1]
     slots = n * top_k
     # int4 experts and bf16 x on a GPU take the dense bf16x2 GEMV's tile and table entry, as one row does
+    # (BLOCKS_BY_M's on every GPU: a GPU's own tiles, wna16.DEVICE_TILES, were swept on dense layers only)
     bf16x2 = gate.bits == 4 and down.bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda
     blocks = wna16.choose_blocks(1, bf16x2)
     flat = indices.reshape(-1).contiguous()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from quantship.kernels import capability_major, dependent_launch
+from quantship.kernels import capability_major, dependent_launch, device_name
 
 
 def words_per_column(in_features: int, bits: int) -> int:
@@ -202,10 +202,28 @@ def dequantizes_from() -> int:
 TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory requests in flight
 
 
-def choose_blocks(m: int, bf16x2: bool = True) -> Blocks:
-    """The table's tiles for M rows; without bf16x2 (its PTX takes int4 and bf16 x, on a GPU) one row
-    takes the GEMV's entry, whose tiles were measured for every dtype."""
-    return next(b for limit, b in BLOCKS_BY_M
+# A GPU's own tiles where its sweep chose others than BLOCKS_BY_M's, by torch.cuda.get_device_name: (M class,
+# kind) → tiles of that kind for that class (`benchmarks/kernel_wna16.py adopt --device`). The H200, one row:
+# 512 outputs by 64 inputs (a layer's four calls 44.5 µs against 47.8 for the table's 256 x 128; the engine's
+# batch-1 W4A16 step 1.93-1.96 ms against 2.12, BENCHMARKS.md).
+DEVICE_TILES: dict[str, dict[tuple[int | None, str], Blocks]] = {
+    "NVIDIA H200": {
+        (1, "gemv_bf16x2"): Blocks("gemv_bf16x2", 1, 512, 64, -1, 4, 1),
+    },
+}
+
+
+def table_for(device: str | None = None) -> list[tuple[int | None, Blocks]]:
+    """BLOCKS_BY_M with `device`'s own tiles (DEVICE_TILES) in the classes its sweep chose differently; the
+    classes and their kinds stay the table's, so what dequantizes and from how many rows does not move."""
+    own = DEVICE_TILES.get(device, {})
+    return [(limit, own.get((limit, b.kind), b)) for limit, b in BLOCKS_BY_M]
+
+
+def choose_blocks(m: int, bf16x2: bool = True, device: str | None = None) -> Blocks:
+    """The table's tiles for M rows on `device` (a GPU's name: table_for); without bf16x2 (its PTX takes
+    int4 and bf16 x, on a GPU) one row takes the GEMV's entry, whose tiles were measured for every dtype."""
+    return next(b for limit, b in table_for(device)
                 if (limit is None or m <= limit) and (bf16x2 or b.kind != "gemv_bf16x2"))
 
 
@@ -361,7 +379,7 @@ def cpu_matmul(x: torch.Tensor, made: tuple[torch.Tensor, torch.Tensor], bits: i
 def takes_gated(rows: int, x: torch.Tensor, bits: int) -> bool:
     """Whether matmul(gated=True) takes `rows` rows like x: only the GEMVs make SwiGLU's product in their
     loads of x (each input is loaded once per program there; a tensor-core tile would remake it per thread)."""
-    return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda).kind in GEMV_KINDS
+    return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda, device_name(x)).kind in GEMV_KINDS
 
 
 _PAIRS_CHECKED: dict[tuple, bool] = {}
@@ -412,7 +430,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     x2 = x.reshape(-1, 2 * in_features if gated else in_features).contiguous()
     m, n, k = x2.shape[0], packed.shape[1], in_features
     bf16x2 = bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda  # what its PTX takes
-    blocks = blocks or choose_blocks(m, bf16x2)
+    blocks = blocks or choose_blocks(m, bf16x2, device_name(x))
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
     if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # a product per value position
