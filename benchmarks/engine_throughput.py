@@ -728,7 +728,18 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 43: the packed words held along N (the table's layout) and along K (`quick --words`), "
+    "": {"H200, stop 44: the one-row GEMV in the H200's own 512x64 tiles (`adopt --device`), batch 1, run before "
+         "and after the next line (this file is the later run; the earlier: 471.3 against 228.5 tok/s, 2.06x)":
+         "_stop44_h200_own_gemv",
+         "H200, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles": "_stop44_h200_table_gemv",
+         "H200, stop 44, the same machine: the table as the H100 sweeps left it (the first H200 since stop 39)":
+         "_stop44_h200",
+         "H200, stop 44, the same machine: a CUDA-core decode attention path for one query head per K/V head "
+         "(not kept)": "_stop44_h200_one_head",
+         "H100, stop 44: programmatic dependent launch off (`QUANTSHIP_PDL=0`), profiled": "_stop44_no_pdl",
+         "H100, stop 44: the 16-row tiles' register cap swept (not adopted), the table as stop 43 left it":
+         "_stop44_registers",
+         "H100, stop 43: the packed words held along N (the table's layout) and along K (`quick --words`), "
          "alternating": "_words",
          "H100, stop 42, a second machine: batch 64": "_bf16x2_b64",
          "H100, stop 42: swap_bf16x2 from 2 to 128 rows (one product per K tile, values two per bf16x2 "
@@ -746,7 +757,8 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
          "the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"H100, 27 layers, stop 39: GEMVs load x's tile once, SwiGLU in the down GEMV, the MoE blocks' "
+    "_v2-lite": {"H100, 27 layers, stop 44: the table as stop 43 left it": "_stop44",
+                 "H100, 27 layers, stop 39: GEMVs load x's tile once, SwiGLU in the down GEMV, the MoE blocks' "
                  "gate and up in one K loop": "_stop39",
                  "H100, 27 layers, the same code, a second machine": "_stop39_b",
                  "H100, 27 layers, swap_x from 2 to 32 rows": "_swap_x",

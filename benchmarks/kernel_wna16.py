@@ -460,6 +460,16 @@ PARTIAL_SWEEPS = {
                           "with K split 8: none led (the best 8-warp tiles 3-5% behind); the sweep's winners, "
                           "adopted, differ from the table's tiles by 0.5% at 64 rows and 2% at 128 (the K split "
                           "added into a zeroed float32 y, not finished in the kernel)",
+    "kernel_wna16_registers": "`swap_bf16x2` at 16 rows with ptxas' register cap of 128 (stop 44, H100: the tile "
+                              "compiles to 130 registers, two over four programs a multiprocessor): the capped "
+                              "tiles ran 4% behind the uncapped ones (78.0 against 75.0 µs a layer), so occupancy "
+                              "is not what holds the 16-row tile back, and the table stays",
+    "kernel_wna16_h200_sweep": "the one-row GEMV and `swap_bf16x2` at 16 and 64 rows on an H200 (stop 44, the first "
+                               "H200 since stop 39): one row fastest in 512x64 tiles (44.5 µs a layer against 47.8 "
+                               "for the table's 256x128), adopted as the H200's own (`adopt --device`, "
+                               "kernels.wna16.DEVICE_TILES); at 16 and 64 rows the table's tiles within 0.7% of the "
+                               "fastest (noise), kept; the 16- and 64-row tiles take the same time as on an H100 "
+                               "(72 and 135 µs a layer), where bf16 reads 1.4x faster on the H200",
 }
 
 
