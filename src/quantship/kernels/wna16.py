@@ -28,7 +28,8 @@ compiled for sm_90, about half the instructions of swap_x per K tile). The
 small-M ones split K over several programs and add partial sums atomically (fp32), so a batch-1
 product still fills the GPU; they gather scales per word row where a tile spans quantization
 groups. Which runs for which M is a fixed table measured on an H200 and an H100
-(benchmarks/kernel_wna16.py), never tuned on the request path. `tinygemm_pack` makes the same int4
+(benchmarks/kernel_wna16.py), with a GPU's own tiles for a class where its sweep beat the table's
+(DEVICE_TILES, by device name), never tuned on the request path. `tinygemm_pack` makes the same int4
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
