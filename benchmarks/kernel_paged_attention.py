@@ -3,6 +3,8 @@
 On the GPU machine (random caches at DeepSeek-V2-Lite's and V3's MLA latent and the 6.7B Llama's heads):
     PYTHONPATH=src python3 benchmarks/kernel_paged_attention.py run --out $OUT
 Then here: .venv/bin/python benchmarks/kernel_paged_attention.py render
+`mha` (same way) times the 6.7B's multi-head attention over keys per block, warps and splits, caches
+read from memory, into kernel_paged_attention_mha.json: what paged_attention.decode_tiles chooses from.
 
 Each (shape, batch, context) is timed as CUDA-graph replays, every sequence `context` keys long and its
 key axis padded to the engine's graph bucket (the next power of two from 256), as a captured decode step

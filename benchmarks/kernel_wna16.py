@@ -5,6 +5,8 @@ On the GPU machine (checks every shape against the float32 reference first, then
 Then here: .venv/bin/python benchmarks/kernel_wna16.py render
 `adopt RESULT.json` writes a --sweep run's winners into kernels/wna16.py (the table by M and how many
 rows go to tinygemm): on the GPU machine before engine_throughput.py in the same call, and here after.
+`adopt --device RESULT.json` writes them as the swept GPU's own tiles instead (kernels/wna16.py
+DEVICE_TILES): only classes where its fastest tiles of the table's kind beat the table's by 2%.
 
 Each variant is timed as CUDA-graph replays of calls that rotate over enough weight copies to leave
 the L2 cache (60 MB) cold, so launch overhead and cache hits stay out; the median of several replays
