@@ -151,7 +151,7 @@ def mha_sweep(out: Path, batches=(1, 16, 64), contexts=(128, 256, 1024)) -> None
                     continue
                 chosen = paged_attention.split_plan(key_len, block_n, batch * heads, sms, splits)[0]
                 default = (block_n, warps) == paged_attention.decode_tiles(batch * heads, sms)
-                rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps,
+                rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps, "split": split,
                              "splits": chosen, "default": default and split == "plan", "us": seconds * 1e6,
                              "error": error, "roofline_us": read / bandwidth * 1e6})
                 if error > 2e-2:
@@ -220,8 +220,7 @@ def mha_text() -> str:
     rows = []
     for batch, context in sorted({(x["batch"], x["context"]) for x in r["rows"]}):
         case = [x for x in r["rows"] if (x["batch"], x["context"]) == (batch, context)]
-        # the sweep times each tile whole, then split as planned: the second of each pair is the plan's
-        planned = [x for i, x in enumerate(case) if i % 2 == 1]
+        planned = [x for x in case if x["split"] == "plan"]
         before = next(x for x in planned if (x["block_n"], x["warps"]) == (64, 4))
         chosen = next(x for x in planned if x["default"])
         best = min(case, key=lambda x: x["us"])
