@@ -732,6 +732,9 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
          "and after the next line (this file is the later run; the earlier: 471.3 against 228.5 tok/s, 2.06x)":
          "_stop44_h200_own_gemv",
          "H200, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles": "_stop44_h200_table_gemv",
+         "H100, stop 44: the one-row GEMV in 512x128 tiles, its sweep's fastest (not adopted)":
+         "_stop44_h100_own_gemv",
+         "H100, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles": "_stop44_h100_table_gemv",
          "H200, stop 44, the same machine: the table as the H100 sweeps left it (the first H200 since stop 39)":
          "_stop44_h200",
          "H200, stop 44, the same machine: a CUDA-core decode attention path for one query head per K/V head "

@@ -6,7 +6,9 @@ Then here: .venv/bin/python benchmarks/kernel_wna16.py render
 `adopt RESULT.json` writes a --sweep run's winners into kernels/wna16.py (the table by M and how many
 rows go to tinygemm): on the GPU machine before engine_throughput.py in the same call, and here after.
 `adopt --device RESULT.json` writes them as the swept GPU's own tiles instead (kernels/wna16.py
-DEVICE_TILES): only classes where its fastest tiles of the table's kind beat the table's by 2%.
+DEVICE_TILES): only classes where its fastest tiles of the table's kind beat the table's by 2%. Time the
+engine with them (engine_throughput.py quick) before keeping them: a layer's calls timed alone are not
+the decode step (an H100's 4% faster one-row tiles left its step unchanged).
 
 Each variant is timed as CUDA-graph replays of calls that rotate over enough weight copies to leave
 the L2 cache (60 MB) cold, so launch overhead and cache hits stay out; the median of several replays
@@ -472,6 +474,11 @@ PARTIAL_SWEEPS = {
                                "kernels.wna16.DEVICE_TILES); at 16 and 64 rows the table's tiles within 0.7% of the "
                                "fastest (noise), kept; the 16- and 64-row tiles take the same time as on an H100 "
                                "(72 and 135 µs a layer), where bf16 reads 1.4x faster on the H200",
+    "kernel_wna16_h100_m1": "the one-row GEMV on an H100 (stop 44): 512x128 tiles 4.4% faster than the table's "
+                            "256x128 a layer (49.97 against 52.27 µs), but in the engine the batch-1 W4A16 decode "
+                            "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "
+                            "the H100 keeps the table's: the sweep's margin lets `adopt --device` take tiles, the "
+                            "engine decides whether they go in",
 }
 
 
