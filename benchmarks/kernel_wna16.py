@@ -472,8 +472,9 @@ PARTIAL_SWEEPS = {
                                "H200 since stop 39): one row fastest in 512x64 tiles (44.5 µs a layer against 47.8 "
                                "for the table's 256x128), adopted as the H200's own (`adopt --device`, "
                                "kernels.wna16.DEVICE_TILES); at 16 and 64 rows the table's tiles within 0.7% of the "
-                               "fastest (noise), kept; the 16- and 64-row tiles take the same time as on an H100 "
-                               "(72 and 135 µs a layer), where bf16 reads 1.4x faster on the H200",
+                               "fastest (noise), kept; the 16- and 64-row tiles take about the same time as on an H100 "
+                               "(72 against 75 and 135 against 132 µs a layer), where bf16 reads 1.4x faster on the "
+                               "H200",
     "kernel_wna16_h100_m1": "the one-row GEMV on an H100 (stop 44): 512x128 tiles 4.4% faster than the table's "
                             "256x128 a layer (49.97 against 52.27 µs), but in the engine the batch-1 W4A16 decode "
                             "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "
