@@ -251,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("run").add_argument("--out", type=Path, default=RESULTS)
-    sub.add_parser("mha", help="the 6.7B's multi-head attention: tile and one-head paths, blocks, warps, splits"
+    sub.add_parser("mha", help="the 6.7B's multi-head attention over keys per block, warps and splits"
                    ).add_argument("--out", type=Path, default=RESULTS)
     sub.add_parser("render")
     args = parser.parse_args()

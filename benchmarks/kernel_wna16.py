@@ -625,20 +625,22 @@ DEVICE_MIN_GAIN = 0.02  # a device's own tiles must beat the table's by this muc
 
 
 def device_tiles(r: dict) -> dict:
-    """A sweep's winners as its device's own tiles (DEVICE_TILES' entry): for each class of BLOCKS_BY_M the
+    """A sweep's winners as its device's own tiles (its DEVICE_TILES entry): for each class of BLOCKS_BY_M the
     sweep timed, its fastest tiles of the class's kind where they ran at least DEVICE_MIN_GAIN faster than
-    BLOCKS_BY_M's (the sweep times the table's entry too). The classes and kinds stay the table's; where
-    another kind won a class, that is printed: a new table, for adopt without --device."""
-    from quantship.kernels.wna16 import BLOCKS_BY_M
+    BLOCKS_BY_M's (the sweep times them too), else none; the device's entries for classes the sweep did not
+    time stay. The classes and kinds stay the table's; where another kind won a class, that is printed: a
+    new table, for adopt without --device."""
+    from quantship.kernels.wna16 import BLOCKS_BY_M, DEVICE_TILES
 
     ranking = runnable_ranking(r)
-    own = {}
+    own = dict(DEVICE_TILES.get(r["device"], {}))
     for limit, ours in BLOCKS_BY_M:
         times = dict(ranking.get(limit, []))
-        if ours not in times:  # a class the sweep did not time (or not the table's entry)
+        if ours not in times:  # a class the sweep did not time (or not the table's tiles): left as it was
             continue
         theirs = min((b for b in times if b.kind == ours.kind), key=times.get)
-        if theirs != ours and times[theirs] < (1 - DEVICE_MIN_GAIN) * times[ours]:
+        own.pop((limit, ours.kind), None)
+        if times[theirs] < (1 - DEVICE_MIN_GAIN) * times[ours]:
             own[(limit, ours.kind)] = theirs
         first = ranking[limit][0][0]
         if first.kind != ours.kind and ours.kind != "gemv":  # the float32 GEMV is the one-row fallback

@@ -139,3 +139,11 @@ def test_a_gpus_sweep_is_adopted_as_its_own_tiles_where_they_beat_the_tables_by_
     assert wna16.choose_blocks(1, device="made up") == wide and wna16.choose_blocks(1) == GEMV
     source = kernel_wna16.device_tiles_source(wna16.DEVICE_TILES)
     assert eval(source, {"Blocks": Blocks}) == wna16.DEVICE_TILES
+    # a later sweep of 16 rows only keeps the device's one-row tiles; one where the table's one-row tiles win
+    # again drops them
+    later = ranking(**{"16": [(swap_deep, 0.9), (SWAP, 1.0)]})
+    later["device"] = "made up"
+    assert kernel_wna16.device_tiles(later) == {(1, "gemv_bf16x2"): wide, (16, "swap_x"): swap_deep}
+    again = ranking(**{"1": [(GEMV, 1.0), (wide, 1.01)]})
+    again["device"] = "made up"
+    assert kernel_wna16.device_tiles(again) == {}
