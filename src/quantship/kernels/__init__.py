@@ -25,30 +25,26 @@ def on_gpu_kernel(x: torch.Tensor) -> bool:
 # 2^-9 off what it gave for queries the rope kernel rotated).
 PLAIN_ROUNDING = {"enable_fp_fusion": False}
 
-_MAJOR: dict[int, int] = {}
+_GPUS: dict[int, tuple[int, str]] = {}
+
+
+def _gpu(x: torch.Tensor) -> tuple[int, str]:
+    """(compute capability major, name) of the GPU x is on, asked once per device: launches read them on
+    every eager call."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _GPUS:
+        _GPUS[index] = (torch.cuda.get_device_capability(index)[0], torch.cuda.get_device_name(index))
+    return _GPUS[index]
 
 
 def capability_major(x: torch.Tensor) -> int:
-    """The compute capability's major version of the GPU x is on (9 for Hopper), asked once per device: launches
-    read it on every eager call."""
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _MAJOR:
-        _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return _MAJOR[index]
-
-
-_NAMES: dict[int, str] = {}
+    """The compute capability's major version of the GPU x is on (9 for Hopper)."""
+    return _gpu(x)[0]
 
 
 def device_name(x: torch.Tensor) -> str | None:
-    """The name of the GPU x is on, as torch.cuda.get_device_name gives it ("NVIDIA H200"), asked once per
-    device; None off the GPU."""
-    if not x.is_cuda:
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _NAMES:
-        _NAMES[index] = torch.cuda.get_device_name(index)
-    return _NAMES[index]
+    """The name of the GPU x is on, as torch.cuda.get_device_name gives it ("NVIDIA H200"); None off the GPU."""
+    return _gpu(x)[1] if x.is_cuda else None
 
 
 def pdl_asked(default_off: bool = False) -> bool:

@@ -217,7 +217,9 @@ DEVICE_TILES: dict[str, dict[tuple[int | None, str], Blocks]] = {
 def table_for(device: str | None = None) -> list[tuple[int | None, Blocks]]:
     """BLOCKS_BY_M with `device`'s own tiles (DEVICE_TILES) in the classes its sweep chose differently; the
     classes and their kinds stay the table's, so what dequantizes and from how many rows does not move."""
-    own = DEVICE_TILES.get(device, {})
+    own = DEVICE_TILES.get(device)
+    if not own:  # the table itself: no list made per call (matmul asks on every launch)
+        return BLOCKS_BY_M
     return [(limit, own.get((limit, b.kind), b)) for limit, b in BLOCKS_BY_M]
 
 
