@@ -728,15 +728,17 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H200, stop 44: the one-row GEMV in the H200's own 512x64 tiles (`adopt --device`), batch 1, run before "
-         "and after the next line (this file is the later run; the earlier: 471.3 against 228.5 tok/s, 2.06x)":
-         "_stop44_h200_own_gemv",
-         "H200, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles": "_stop44_h200_table_gemv",
-         "H100, stop 44: the one-row GEMV in 512x128 tiles, its sweep's fastest (not adopted)":
-         "_stop44_h100_own_gemv",
-         "H100, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles": "_stop44_h100_table_gemv",
-         "H200, stop 44, the same machine: the table as the H100 sweeps left it (the first H200 since stop 39)":
-         "_stop44_h200",
+    "": {"H200, stop 44: the one-row GEMV in the H200's own 512x64 tiles (`adopt --device`; `quick --batches 1` "
+         "now, then a wrapper setting the table's one-row entry), batch 1, run before and after the next line (this "
+         "file is the later run; the earlier: 471.3 against 228.5 tok/s, 2.06x)": "_stop44_h200_own_gemv",
+         "H200, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles (`quick --batches 1 "
+         "--table-only` now)": "_stop44_h200_table_gemv",
+         "H100, stop 44: the one-row GEMV in 512x128 tiles, its sweep's fastest, adopted for the run only (not "
+         "kept)": "_stop44_h100_own_gemv",
+         "H100, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles (`--table-only`)":
+         "_stop44_h100_table_gemv",
+         "H200, stop 44, the same machine: the table as the H100 sweeps left it, decode attention before "
+         "decode_tiles (the first H200 since stop 39)": "_stop44_h200",
          "H200, stop 44, the same machine: a CUDA-core decode attention path for one query head per K/V head "
          "(not kept)": "_stop44_h200_one_head",
          "H100, stop 44: programmatic dependent launch off (`QUANTSHIP_PDL=0`), profiled": "_stop44_no_pdl",
@@ -967,6 +969,8 @@ def main() -> None:
                         "(w4a16_pdl_no_tiles), alternating")
     q.add_argument("--words", action="store_true",
                    help="also time W4A16 with its packed words held along K (w4a16_words_k), alternating")
+    q.add_argument("--table-only", action="store_true",
+                   help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
     a = sub.add_parser("agreement", help="gpu: W4A16 kernels against the dequantize reference, bundled trained model")
     a.add_argument("--out", type=Path, default=RESULTS)
@@ -974,8 +978,10 @@ def main() -> None:
     if args.cmd == "agreement":
         agreement_on_bundled(args.out)
     elif args.cmd == "quick":
-        from quantship.kernels import fused_moe
+        from quantship.kernels import fused_moe, wna16
 
+        if args.table_only:
+            wna16.DEVICE_TILES = {}
         if args.moe_split_k is not None:
             fused_moe.DECODE_SPLIT_K = args.moe_split_k
         if args.slot_gemv_share is not None:
