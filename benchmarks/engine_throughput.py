@@ -728,7 +728,9 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H200, stop 44: the one-row GEMV in the H200's own 512x64 tiles (`adopt --device`; `quick --batches 1` "
+    "": {"H100, stop 45: each K tile's scales loaded a tile ahead in swap_bf16x2, x still permuted per tile (the "
+         "adopt meant to take x_paired dropped the field; fixed after)": "_stop45_scale_ahead",
+         "H200, stop 44: the one-row GEMV in the H200's own 512x64 tiles (`adopt --device`; `quick --batches 1` "
          "now, then a wrapper setting the table's one-row entry), batch 1, run before and after the next line (this "
          "file is the later run; the earlier: 471.3 against 228.5 tok/s, 2.06x)": "_stop44_h200_own_gemv",
          "H200, stop 44, the same machine: the one-row GEMV in the table's 256x128 tiles (`quick --batches 1 "

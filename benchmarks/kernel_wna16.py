@@ -155,7 +155,10 @@ def candidates(m: int):
             for rows, bn, warps in ((64, 128, 4), (128, 128, 8), (128, 64, 4)) for bk in (64, 128)
             for split in (1, 2) for first in (False, True) if split == 1 or rows == 128] + [
             # K split 4 and 8 (256 outputs over two warp groups were no candidates: as compiled for sm_90 they spill)
-            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, rows_first=True) for bk in (64, 128) for split in (4, 8)]
+            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, rows_first=True) for bk in (64, 128) for split in (4, 8)] + [
+            # x copied to the pair order once per call, its tiles read straight into the products (`--kinds paired`)
+            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=True)
+            for bk in (64, 128) for split in (2, 4, 8)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -175,12 +178,22 @@ def candidates(m: int):
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 8, 3) for bk in (64, 128, 256) for split in (0, 2, 4)]
     # (deeper pipelines over 64-deep tiles and two warp groups over 128 or 256 outputs were swept at 16 rows
     # once, kernel_wna16_bf16x2_m16, and none led: not candidates)
+    # x copied to the pair order once per call (a small copy), its tiles then read straight into the products
+    # (Blocks.x_paired; `--kinds paired` sweeps these alone beside the table's entry)
+    out += [Blocks("swap_bf16x2", rows, 128, 128, split, warps, 3, x_paired=True) for warps in (4, 8)
+            for split in ((0, 4, 8) if m <= 16 else (0, 2, 4)) if warps == 4 or m > 16]
     if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
                 for split in (0, 4, 8)]
     if m >= 32:
         out += [Blocks("dequantize", 0, bn, bk, 1, 4, 1) for bn, bk in ((64, 64), (128, 128), (256, 64))]
     return out
+
+
+def kind_of(blocks) -> str:
+    """What `--kinds` names a candidate by: its kernel, or "paired" for swap_bf16x2 taking x copied to the pair
+    order first (Blocks.x_paired)."""
+    return "paired" if blocks.x_paired else blocks.kind
 
 
 def tinygemm(x, values: torch.Tensor, scale: torch.Tensor):
@@ -232,7 +245,7 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
             reference = wna16.reference_matmul(x, *w4[0], 4, k, GROUP)
             entry = wna16.choose_blocks(m, device=this_device())  # the table's entry, both ways, is timed in any sweep
             for blocks in dict.fromkeys(candidates(m)):  # the table's entry may be a candidate too
-                if kinds and blocks.kind not in kinds and blocks not in (entry, replace(entry, finish=False)):
+                if kinds and kind_of(blocks) not in kinds and blocks not in (entry, replace(entry, finish=False)):
                     continue
                 try:
                     got = wna16.matmul(x, *w4[0], 4, k, GROUP, blocks=blocks).float()
@@ -475,6 +488,17 @@ PARTIAL_SWEEPS = {
                                "fastest (noise), kept; the 16- and 64-row tiles take about the same time as on an H100 "
                                "(72 against 75 and 135 against 132 µs a layer), where bf16 reads 1.4x faster on the "
                                "H200",
+    "kernel_wna16_paired": "`swap_bf16x2` from 16 to 128 rows with x copied to the pair order once per call "
+                           "(`x_paired`, `--kinds paired`) beside the table's tiles, both loading each tile's scales "
+                           "a tile ahead (stop 45, H100; the copy counted in each call; the table's tiles timed in "
+                           "the sweep and, in the table below, in the run's rows): 114.6 against the table's 132.3 "
+                           "µs a layer at 64 rows, 213.6 (128 deep) and 219.7 (64 deep) against 229.9 at 128, level "
+                           "at 32 (92.4 against 92.1-92.9), behind at 16 (79.9 against 73.7-74.0); adopted from 32 "
+                           "rows, the 128-row tile 64 deep (128 deep does not fit shared memory for float32 x). "
+                           "Before it, ncu showed a scale load waited for in every K tile (Triton pipelines only the "
+                           "loads that feed the product) and x's tiles permuted through registers and back to shared "
+                           "memory; the same stop timed swap_bf16x2 on mma.sync (compiled with DISABLE_MMA_V3, its "
+                           "values through shared memory): 3.3x slower at 16 rows, not kept",
     "kernel_wna16_h100_m1": "the one-row GEMV on an H100 (stop 44): 512x128 tiles 4.4% faster than the table's "
                             "256x128 a layer (49.97 against 52.27 µs), but in the engine the batch-1 W4A16 decode "
                             "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "
@@ -569,8 +593,9 @@ def render() -> None:
 def _source(b) -> str:
     """A Blocks as kernels/wna16.py writes it."""
     text = f'Blocks("{b.kind}", {b.block_m}, {b.block_n}, {b.block_k}, {b.split_k}, {b.num_warps}, {b.num_stages}'
-    return (text + (", finish=False" if not b.finish else "") + (", rows_first=True" if b.rows_first else "")
-            + (f", max_registers={b.max_registers}" if b.max_registers else "") + ")")
+    # every later field that differs from its default, by name (a field added to Blocks is written too)
+    named = [f for f in dataclasses.fields(b)][7:]
+    return text + "".join(f", {f.name}={getattr(b, f.name)!r}" for f in named if getattr(b, f.name) != f.default) + ")"
 
 
 def adopted_table(r: dict, current: list | None = None):

@@ -39,6 +39,15 @@ def test_dequantize_tiles_are_adopted_by_m_and_written_as_source(monkeypatch):
     assert wna16.choose_blocks(300) == WIDE and wna16.choose_blocks(200) == WHOLE
 
 
+def test_adopt_writes_every_field_a_tile_sets():
+    """The source adopt writes gives back the same tiles for every field that differs from its default (a
+    field it left out would be dropped from the table the sweep chose: x_paired was, once)."""
+    tiles = [Blocks("swap_bf16x2", 128, 128, 64, 4, 8, 3, finish=False, rows_first=True, x_paired=True),
+             Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, max_registers=128), *(b for _, b in wna16.BLOCKS_BY_M)]
+    for b in tiles:
+        assert eval(kernel_wna16._source(b), {"Blocks": Blocks}) == b, kernel_wna16._source(b)
+
+
 def test_the_same_dequantize_tiles_at_every_swept_m_are_one_class():
     r = ranking(**{"1": [(GEMV, 1.0), (FLOAT_GEMV, 2.0)], "64": [(SWAP, 1.0)],
                    "256": [(WIDE, 1.0)], "2048": [(WIDE, 1.0)]})

@@ -3,6 +3,7 @@ on the CPU, so CI catches what the interpreter lets through (non-constexpr globa
 shared memory beyond the chip) before a GPU run does."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 COMPILE = r"""
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -73,17 +75,26 @@ for bits in (4, 8):
             for block_m, block_k, even in ((16, 256, True), (64, 128, False)):
                 kernel = compile(wna16.wna16_swap_bf16x2_kernel, matmul,
                                  {k: v for k, v in dict(tiles, BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=even,
-                                                        ROWS_FIRST=False, ASM=True).items() if k != "BITS"},
+                                                        ROWS_FIRST=False, ASM=True, X_PAIRED=False).items() if k != "BITS"},
                                  before_wait="prefetch.global.L2", attrs=("N", "K", "stride_xm", "k_per_split"))
                 asm = [line for line in kernel.asm["ttgir"].splitlines() if "elementwise_inline_asm" in line and "lop3" in line]
                 assert len(asm) == 1 and "-> tensor<128x%dxbf16, #ttg.dot_op<{opIdx = 0" % block_k in asm[0], asm
+                # x permuted per tile is stored from registers to shared memory for the product; x copied to the
+                # pair order first (X_PAIRED) goes from memory to the product as loaded: nothing stored from registers
+                stored = lambda k: len(re.findall(r"ttg.local_alloc %", k.asm["ttgir"]))  # noqa: E731
+                paired = compile(wna16.wna16_swap_bf16x2_kernel, matmul,
+                                 {k: v for k, v in dict(tiles, BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=even,
+                                                        ROWS_FIRST=False, ASM=True, X_PAIRED=True).items() if k != "BITS"},
+                                 attrs=("x_ptr", "w_ptr", "N", "K", "stride_xm", "k_per_split"))  # as launched
+                assert stored(kernel) == 1 and stored(paired) == 0, (stored(kernel), stored(paired))
         # Words held along K (stride_wk 1, as wna16.hold lays them out) load as 16-byte vectors in whole tiles,
         # the GEMV's straight into registers, the tiles' into shared memory
         along_k = dict(matmul, stride_wk="constexpr")
         for fn, extra, vector in ((wna16.wna16_gemv_kernel, dict(SPANS=False, GATED=False), ".v4.b32"),
                                   (wna16.wna16_swap_x_kernel, dict(BLOCK_M=16, BLOCK_K=16 * 32 // bits, SPANS=False,
                                                                    ROWS_FIRST=False), "], 0x10"),
-                                  (wna16.wna16_swap_bf16x2_kernel, dict(BLOCK_M=16, ROWS_FIRST=False, ASM=True), "], 0x10")):
+                                  (wna16.wna16_swap_bf16x2_kernel,
+                                   dict(BLOCK_M=16, ROWS_FIRST=False, ASM=True, X_PAIRED=False), "], 0x10")):
             if fn is wna16.wna16_swap_bf16x2_kernel and bits == 8:
                 continue
             tile = {k: v for k, v in dict(tiles, EVEN_K=True, **extra).items() if k in fn.arg_names}
@@ -105,6 +116,20 @@ for bits in (4, 8):
         compile(wna16.dequantize_kernel, {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "out_ptr": "*bf16",
                 "N": "i32", "K": "i32", "stride_wk": "i32", "stride_wn": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, before_wait="ld.global")
+# The table's swap_bf16x2 tiles (every GPU's) as launched, for bf16 x and float32 x (a float32 model on a GPU
+# stages twice the bytes of x): each within the multiprocessor's shared memory. The table's 128-row tile 128
+# deep did not fit with float32 x once.
+from quantship.kernels.wna16 import BLOCKS_BY_M, DEVICE_TILES
+tiles = {b for b in [b for _, b in BLOCKS_BY_M] + [b for own in DEVICE_TILES.values() for b in own.values()]
+         if b.kind == "swap_bf16x2"}
+print("table tiles", len(tiles))
+for b in tiles:
+    for x_type in ("*bf16", "*fp32"):
+        compile(wna16.wna16_swap_bf16x2_kernel, dict(matmul, x_ptr=x_type, s_ptr=x_type, y_ptr=x_type),
+                dict(HAS_ZERO=False, ATOMIC=True, FINISH=b.finish, EVEN_K=True, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
+                     BLOCK_K=b.block_k, ROWS_FIRST=b.rows_first, ASM=x_type == "*bf16", X_PAIRED=b.x_paired),
+                attrs=("x_ptr", "w_ptr", "N", "K", "stride_xm", "k_per_split"),
+                options={"num_warps": b.num_warps, "num_stages": b.num_stages})
 experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
 gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
            for p, t in experts.items()}, **{p.replace("w_", "up_").replace("s_", "up_s_").replace("z_", "up_z_"): t
@@ -197,7 +222,8 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 158
+    tiles = int(re.search(r"table tiles (\d+)", done.stdout).group(1))
+    assert tiles >= 4 and done.stdout.count(" ok") == 162 + 2 * tiles
 
 
 def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):

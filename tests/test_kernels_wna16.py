@@ -203,8 +203,9 @@ def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
     """The swap tile with one product per K tile (swap_bf16x2): its words spread to the pair order and x
     permuted to match must give the reference for odd K (a last tile cut short, words padded), zero points,
     groups of 32 to per-channel (the tile shrinks to stay inside one), rows masked, K split or not, either
-    grid order. On a GPU with bf16 x its values come two per bf16x2 instruction (PTX the interpreter cannot
-    run), float32 x takes the shifts and masks; groups of 16 and int8 take swap_x's products."""
+    grid order, x permuted per tile or copied to that order first. On a GPU with bf16 x its values come two
+    per bf16x2 instruction (PTX the interpreter cannot run), float32 x takes the shifts and masks; groups of
+    16 and int8 take swap_x's products."""
     values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=n * k + m)
     packed = wna16.pack(values, bits).to(DEVICE)
     scale, zero = scale.to(DEVICE), None if zero is None else zero.to(DEVICE)
@@ -214,6 +215,8 @@ def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
         for blocks in (wna16.Blocks("swap_bf16x2", 16, 32, 256, 0, 4, 2),
                        wna16.Blocks("swap_bf16x2", 32, 16, 64, 2, 4, 3, rows_first=True),
                        wna16.Blocks("swap_bf16x2", 16, 64, 128, -1, 4, 2, finish=False),
+                       # x copied to the pair order first (K a multiple of 32; otherwise permuted per tile)
+                       wna16.Blocks("swap_bf16x2", 16, 32, 64, 2, 4, 2, x_paired=True),
                        wna16.choose_blocks(128)):  # the table's prefill tile: two warp groups, rows first
             out = wna16.matmul(x.to(dtype), packed, scale.to(dtype), zero, bits, k, group, blocks=blocks)
             error = (out.float() - expected).norm() / expected.norm()

@@ -24,7 +24,8 @@ product's wait in series); the table takes it from 2 to 32 rows, where it measur
 "swap_bf16x2" (int4, tiles inside one group), makes one product per K tile instead of one per value
 position: the word tile is spread in registers so that each thread's operand pairs are two values of one
 word, dequantized two per lop3 and bf16x2 subtraction, and x's tile is permuted to the same order (as
-compiled for sm_90, about half the instructions of swap_x per K tile). The
+compiled for sm_90, about half the instructions of swap_x per K tile); from 32 rows the table gives it x
+copied to that order once per call (pair_order_x), so its tiles go from memory to the product as loaded. The
 small-M ones split K over several programs and add partial sums atomically (fp32), so a batch-1
 product still fills the GPU; they gather scales per word row where a tile spans quantization
 groups. Which runs for which M is a fixed table measured on an H200 and an H100
@@ -118,6 +119,14 @@ def permute_x(x: torch.Tensor, bits: int, tile: int = 0) -> torch.Tensor:
     return x.reshape(m, padded // block, 16, per_word).transpose(2, 3).reshape(m, padded)
 
 
+def pair_order_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) with each 32 inputs in swap_bf16x2's pair order: input 32b + 8t + 4h + 2c + d
+    (value 4h + 2c + d of word row 4b + t) moves to 32b + 16c + 8d + 2t + h, where the tile's spread words put
+    its weight (_pair_words, _pair_order_x in _wna16_triton.py). One copy of x per call."""
+    m, k = x.shape
+    return x.view(m, k // 32, 4, 2, 2, 2).permute(0, 1, 4, 5, 2, 3).reshape(m, k)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                in_features: int, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [N, K] the packed tensors stand for (computed in float32; a transposed view).
@@ -161,6 +170,9 @@ class Blocks:
     finish: bool = True  # a K split finished in the kernel (split_workspace); False: memset, kernel, cast
     rows_first: bool = False  # swap tiles over several row blocks of x: the grid walks the row blocks first,
     # so a weight tile's programs for every row block run together and all but one read it from L2
+    x_paired: bool = False  # swap_bf16x2: x copied to the pair order once per call (pair_order_x, K a multiple of
+    # 32) and read straight into the products, where each K tile of it would be permuted in registers (H100, a
+    # 6.7B layer's calls at 64 rows: 102 µs against 134 before the copy's 10)
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
     # compiled for sm_90 the 16-row swap_bf16x2 tile takes 130, two more than lets four of its programs share a
     # multiprocessor
@@ -175,14 +187,17 @@ GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per progra
 # 1.17x the swap_x tile's speed at 16 rows, 1.25x at 32, 1.18x the swap tile's at 64, 1.25x dequantize +
 # cuBLAS's at 128, where later H100 sweeps took K split 4 over 2: 230-238 µs a layer against 280); where it
 # cannot take the weight (int8, groups of 16) swap_x's products with the same tiles, or dequantize + cuBLAS past
-# 64 rows. Past the last class dequantize + cuBLAS.
+# 64 rows. Past the last class dequantize + cuBLAS. From 32 rows x is copied to the pair order first (x_paired;
+# an H100 sweep, stop 45, the copy counted: a layer's calls 114.6 µs against 132-135 at 64 rows, 213.6 against
+# 230-238 at 128, level at 32). The 128-row tile is 64 deep, 3% behind 128 deep in that sweep, because 128 deep
+# does not fit shared memory for float32 x (tests/test_kernels_compile.py compiles every tile for both).
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
     (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3)),
-    (32, Blocks("swap_bf16x2", 32, 128, 256, 0, 4, 3)),
-    (64, Blocks("swap_bf16x2", 64, 128, 256, 0, 4, 3)),
-    (128, Blocks("swap_bf16x2", 128, 128, 64, 4, 8, 3, finish=False, rows_first=True)),
+    (32, Blocks("swap_bf16x2", 32, 128, 128, 0, 4, 3, x_paired=True)),
+    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 4, 3, x_paired=True)),
+    (128, Blocks("swap_bf16x2", 128, 128, 64, 4, 8, 3, finish=False, rows_first=True, x_paired=True)),
     (None, Blocks("dequantize", 0, 256, 64, 1, 4, 1)),
 ]
 
@@ -398,7 +413,7 @@ def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and blocks.block_n % (16 * blocks.num_warps) == 0
             and capability_major(x) == 9):
         return False
-    key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages)
+    key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages, blocks.x_paired)
     if key not in _PAIRS_CHECKED:
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -478,10 +493,12 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
-        kernels.wna16_swap_bf16x2_kernel[grid](*args, BLOCK_M=blocks.block_m,
-                                               ROWS_FIRST=rows_first,
+        paired = blocks.x_paired and k % 32 == 0
+        if paired:
+            args = (pair_order_x(x2), *args[1:])
+        kernels.wna16_swap_bf16x2_kernel[grid](*args, BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first,
                                                ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None
-                                               else pairs_asm, **common)
+                                               else pairs_asm, X_PAIRED=paired, **common)
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m,
                                           ROWS_FIRST=rows_first, **common)
