@@ -137,6 +137,8 @@ def candidates(m: int):
         out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1) for bn, warps in ((256, 1), (256, 2), (512, 2),
                                                                                    (512, 4), (1024, 4))
                 for bk in (64, 128)]
+        # (a few K tiles per program, K split 8 or 16, pipelined or not, were swept once, kernel_wna16_gemv_splits:
+        # 15-45% behind one K tile per program, so no candidates)
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
         return out + [Blocks("swap_dot", 16, bn, bk, split, 4, 4) for bn in (64, 128) for bk in (128, 256)
                       for split in (0, 8)] + [Blocks(kind, 16, bn, 128 if kind == "swap_x" else 256, split, 4, 3)
@@ -499,6 +501,11 @@ PARTIAL_SWEEPS = {
                            "loads that feed the product) and x's tiles permuted through registers and back to shared "
                            "memory; the same stop timed swap_bf16x2 on mma.sync (compiled with DISABLE_MMA_V3, its "
                            "values through shared memory): 3.3x slower at 16 rows, not kept",
+    "kernel_wna16_gemv_splits": "the one-row GEMV with a few K tiles per program (K split 16 and 8, so 16 or 8 "
+                                "partial sums added per output instead of 32; 1 or 3 pipeline stages) beside one K "
+                                "tile per program (stop 45, H100): split 16 took 57.2-59.2 µs a layer, split 8 "
+                                "71.8-72.2, one tile a program 49.6 (512 outputs) and 52.2 (the table's 256): the "
+                                "atomic adds of the partial sums cost less than the parallelism they buy; no change",
     "kernel_wna16_h100_m1": "the one-row GEMV on an H100 (stop 44): 512x128 tiles 4.4% faster than the table's "
                             "256x128 a layer (49.97 against 52.27 µs), but in the engine the batch-1 W4A16 decode "
                             "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "
