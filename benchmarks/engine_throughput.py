@@ -764,7 +764,9 @@ QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: la
          "the table now (second sweep's winners)": "_final",
          "first sweep's table (bf16x2 GEMV 256 wide, split finished in the kernel)": "_finish",
          "earlier: tinygemm up to 8 rows, swap tile 9-64": ""},
-    "_v2-lite": {"H100, 27 layers, stop 44: the table as stop 43 left it": "_stop44",
+    "_v2-lite": {"H100, 27 layers, stop 45: scales a tile ahead, x copied to the pair order from 32 rows (MLA's and "
+                 "the dense int4 projections at batch 32)": "_stop45",
+                 "H100, 27 layers, stop 44: the table as stop 43 left it": "_stop44",
                  "H100, 27 layers, stop 39: GEMVs load x's tile once, SwiGLU in the down GEMV, the MoE blocks' "
                  "gate and up in one K loop": "_stop39",
                  "H100, 27 layers, the same code, a second machine": "_stop39_b",
