@@ -4,6 +4,7 @@ On CPU these run under Triton's interpreter (conftest sets TRITON_INTERPRET=1) w
 a GPU the same tests run on CUDA, plus the 6.7B Linear shapes.
 """
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -431,6 +432,16 @@ def test_a_gpus_own_tiles_replace_the_tables_in_their_class_only():
     for device, own in wna16.DEVICE_TILES.items():
         if (1, "gemv") not in own:
             assert wna16.choose_blocks(1, bf16x2=False, device=device) == wna16.choose_blocks(1, bf16x2=False)
+
+
+def test_pair_order_puts_each_input_where_the_spread_words_put_its_weight():
+    """pair_order_x moves input 32b + 8t + 4h + 2c + d (value 4h + 2c + d of word row 4b + t) to
+    32b + 16c + 8d + 2t + h, the column _pair_words gives that value: every input once, per 32-input block."""
+    x = torch.arange(2 * 64, dtype=torch.float32).view(2, 64)
+    paired = wna16.pair_order_x(x)
+    for b, t, h, c, d in itertools.product(range(2), range(4), range(2), range(2), range(2)):
+        assert paired[1, 32 * b + 16 * c + 8 * d + 2 * t + h] == 64 + 32 * b + 8 * t + 4 * h + 2 * c + d
+    assert sorted(paired[0].tolist()) == x[0].tolist()
 
 
 @pytest.mark.parametrize("bits,k", [(4, 300), (8, 64), (4, 128)])
