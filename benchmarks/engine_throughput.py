@@ -717,8 +717,8 @@ def anatomy_note() -> list[str]:
     cells = [f"batch {x['batch']} {kind}: {x[f'anatomy_{kind}']['step_ms']:.2f} ms per engine step against "
              f"{x[f'anatomy_{kind}']['replay_ms']:.2f} ms replaying its graph alone"
              for x in q if "batch" in x for kind in ("bf16", "w4a16")]
-    return ["Where a decode step goes (`engine_throughput.py quick --profile`, 6.7B shape, H100, the newest quick "
-            "line of the table below): " + "; ".join(cells) + ". Scheduling, staging the inputs and sampling add "
+    return [f"Where a decode step goes (`engine_throughput.py quick --profile`, 6.7B shape, H100, stop 39's code: "
+            f"{ANATOMY_RUN}): " + "; ".join(cells) + ". Scheduling, staging the inputs and sampling add "
             "a few percent: the rest is inside the graph. Inside the W4A16 graph the int4 Linears take 77% of the "
             "GPU time at batch 1 (the GEMV, 14.6 µs per call on average, 58 µs a layer for 104 MB: 1.8 TB/s), 72% "
             "at 16 (the swap tile, 85 µs a layer) and 62% at 64 (the swap tile, with 5% more for permuting x); "

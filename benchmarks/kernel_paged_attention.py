@@ -113,7 +113,7 @@ def mha_sweep(out: Path, batches=(1, 16, 64), contexts=(128, 256, 1024)) -> None
 
     from kernel_wna16 import copy_bandwidth, graph_time
 
-    from quantship.kernels import paged_attention
+    from quantship.kernels import elementwise, paged_attention
 
     heads, dim = 32, 128
     bandwidth = copy_bandwidth()
@@ -131,10 +131,7 @@ def mha_sweep(out: Path, batches=(1, 16, 64), contexts=(128, 256, 1024)) -> None
             q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
             angles = torch.rand(batch, dim // 2, device="cuda") * 6
             cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-            rotated = q.float().clone()  # the queries rotated (halves layout) for the reference
-            first, second = q.float()[..., :dim // 2], q.float()[..., dim // 2:]
-            rotated[..., :dim // 2] = first * cos.float()[:, None] - second * sin.float()[:, None]
-            rotated[..., dim // 2:] = second * cos.float()[:, None] + first * sin.float()[:, None]
+            rotated = elementwise.reference_rope(q.float(), cos[:, None], sin[:, None], False)  # for the reference
             expected = paged_attention.reference(rotated, caches[0].float(), key_slots, lengths, heads, dim ** -0.5)
             for block_n, warps, split in itertools.product((32, 64, 128), (2, 4, 8), ("whole", "plan")):
                 splits = 1 if split == "whole" else None

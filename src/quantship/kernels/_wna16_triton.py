@@ -718,7 +718,8 @@ def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
                                 stride_wk, stride_wn, group_size, 4, HAS_ZERO, False, EVEN_K)  # its scales unused
         # the next tile's scales, a tile ahead: Triton pipelines only the loads that feed the product, so a scale
         # loaded in its own tile is an L2 round trip waited for in every tile (ncu, H100: the largest stall;
-        # a layer's calls 1.11-1.15x faster at 16-64 rows loaded ahead, alternating on one machine)
+        # a layer's calls 1.11-1.15x faster at 16-64 rows loaded ahead, alternating on one machine; against
+        # other machines' runs of the table the gain looked like 1-4%)
         scale_next, base_next = _column_scale(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, groups, offs_n, N, HAS_ZERO)
         if X_PAIRED:  # x in the pair order already (wna16.pair_order_x): its tile goes to the product as loaded
             xo = x

@@ -171,8 +171,8 @@ class Blocks:
     rows_first: bool = False  # swap tiles over several row blocks of x: the grid walks the row blocks first,
     # so a weight tile's programs for every row block run together and all but one read it from L2
     x_paired: bool = False  # swap_bf16x2: x copied to the pair order once per call (pair_order_x, K a multiple of
-    # 32) and read straight into the products, where each K tile of it would be permuted in registers (H100, a
-    # 6.7B layer's calls at 64 rows: 102 µs against 134 without the copy, which adds about 11)
+    # 32) and read straight into the products, where each K tile of it would be permuted in registers and stored
+    # back to shared memory (H100, a 6.7B layer's calls at 64 rows, the copy counted: 114.6 µs against 132.3)
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
     # compiled for sm_90 the 16-row swap_bf16x2 tile takes 130, two more than lets four of its programs share a
     # multiprocessor
