@@ -577,13 +577,33 @@ def words_along_k(along_k: bool | None):
         wna16.WORDS_ALONG_K = before
 
 
+@contextlib.contextmanager
+def tiles_without_tma(off: bool):
+    """Where `off`: the kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) loading without TMA
+    (Blocks.tma False), for the engines built and run inside; else the table as it is."""
+    from quantship.kernels import wna16
+
+    table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
+    if off:
+        wna16.BLOCKS_BY_M = [(limit, replace(b, tma=False)) for limit, b in table]
+        wna16.DEVICE_TILES = {name: {key: replace(b, tma=False) for key, b in tiles.items()}
+                              for name, tiles in own.items()}
+    try:
+        yield
+    finally:
+        wna16.BLOCKS_BY_M, wna16.DEVICE_TILES = table, own
+
+
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
-          profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False) -> None:
+          profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
+          no_tma: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
     (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating. `words`:
-    W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N)."""
+    W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N). `no_tma`:
+    W4A16 also with the table's tiles loading without TMA (w4a16_no_tma: a second copy of the weights, so an
+    engine and graphs of its own), alternating."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -595,6 +615,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     if words:
         with words_along_k(True):
             w4_k = quantized_copy(ours)
+    w4_plain = quantized_copy(ours) if no_tma else None
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -608,15 +629,17 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "default")}
     if words:
         sides["w4a16_words_k"] = (w4_k, None)
+    if no_tma:
+        sides["w4a16_no_tma"] = (w4_plain, None)
 
     def timed(name, *args):
         model, on = sides[name]
-        with pdl_setting(on):
+        with pdl_setting(on), tiles_without_tma(name == "w4a16_no_tma"):
             return time_engine(model, *args)
 
     def anatomy(name, batch, **kw):
         model, on = sides[name]
-        with pdl_setting(on):
+        with pdl_setting(on), tiles_without_tma(name == "w4a16_no_tma"):
             return step_anatomy(model, config, batch, **kw)
 
     rows = []
@@ -638,7 +661,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             print(rows[-1], flush=True)
         ttft = {}
         for name, (model, on) in sides.items():
-            with pdl_setting(on):
+            with pdl_setting(on), tiles_without_tma(name == "w4a16_no_tma"):
                 ttft[name] = time_ttft(model, None, 2048, config) | {"transformers_s": theirs}
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
@@ -832,7 +855,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
             # for all but the swap tiles (against bf16 with it on)
             for side, bf16_name, note in (("", "bf16", ""), ("_pdl", "bf16_pdl", ", PDL on"),
                                           ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles"),
-                                          ("_words_k", "bf16", ", packed words held along K")):
+                                          ("_words_k", "bf16", ", packed words held along K"),
+                                          ("_no_tma", "bf16", ", the tiles without TMA")):
                 w4_name, named = f"w4a16{side}", label + note
                 if "batch" in x and f"{w4_name}_tok_s" in x:
                     w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
@@ -973,6 +997,8 @@ def main() -> None:
                         "(w4a16_pdl_no_tiles), alternating")
     q.add_argument("--words", action="store_true",
                    help="also time W4A16 with its packed words held along K (w4a16_words_k), alternating")
+    q.add_argument("--no-tma", action="store_true",
+                   help="also time W4A16 with the table's tiles loading without TMA (w4a16_no_tma), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -995,7 +1021,7 @@ def main() -> None:
 
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
-              args.pdl, args.words)
+              args.pdl, args.words, args.no_tma)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

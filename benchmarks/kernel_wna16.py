@@ -160,7 +160,10 @@ def candidates(m: int):
             Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, rows_first=True) for bk in (64, 128) for split in (4, 8)] + [
             # x copied to the pair order once per call, its tiles read straight into the products (`--kinds paired`)
             Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=True)
-            for bk in (64, 128) for split in (2, 4, 8)]
+            for bk in (64, 128) for split in (2, 4, 8)] + [
+            # x and the words copied by TMA (`--kinds tma`)
+            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True)
+            for bk in (64, 128) for split in (2, 4)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -184,6 +187,16 @@ def candidates(m: int):
     # (Blocks.x_paired; `--kinds paired` sweeps these alone beside the table's entry)
     out += [Blocks("swap_bf16x2", rows, 128, 128, split, warps, 3, x_paired=True) for warps in (4, 8)
             for split in ((0, 4, 8) if m <= 16 else (0, 2, 4)) if warps == 4 or m > 16]
+    # x's and the words' tiles copied by TMA (Blocks.tma; `--kinds tma`): one thread issues a tile's copy where
+    # every thread computes cp.async addresses and masks (the 16-row tile's compiled loop: 355 instructions a K
+    # tile against 381)
+    if m <= 16:
+        out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, stages, tma=True) for bk in (128, 256)
+                for split in (0, 4, 8) for stages in (3, 4)]
+        out += [Blocks("swap_bf16x2", rows, 128, 128, split, 4, 3, x_paired=True, tma=True) for split in (0, 8)]
+    else:
+        out += [Blocks("swap_bf16x2", rows, 128, bk, split, warps, 3, x_paired=True, tma=True)
+                for warps, bk in ((4, 128), (8, 128), (8, 64)) for split in (0, 2, 4)]
     if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
                 for split in (0, 4, 8)]
@@ -193,9 +206,9 @@ def candidates(m: int):
 
 
 def kind_of(blocks) -> str:
-    """What `--kinds` names a candidate by: its kernel, or "paired" for swap_bf16x2 taking x copied to the pair
-    order first (Blocks.x_paired)."""
-    return "paired" if blocks.x_paired else blocks.kind
+    """What `--kinds` names a candidate by: its kernel, "tma" for swap_bf16x2 loading through TMA (Blocks.tma),
+    or "paired" for swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired)."""
+    return "tma" if blocks.tma else "paired" if blocks.x_paired else blocks.kind
 
 
 def tinygemm(x, values: torch.Tensor, scale: torch.Tensor):

@@ -117,19 +117,32 @@ for bits in (4, 8):
                 "N": "i32", "K": "i32", "stride_wk": "i32", "stride_wn": "i32", "group_size": "i32"},
                 {"BITS": bits, "HAS_ZERO": zero, "BLOCK_N": 128, "BLOCK_K": 128}, before_wait="ld.global")
 # The table's swap_bf16x2 tiles (every GPU's) as launched, for bf16 x and float32 x (a float32 model on a GPU
-# stages twice the bytes of x): each within the multiprocessor's shared memory. The table's 128-row tile 128
-# deep did not fit with float32 x once.
-from quantship.kernels.wna16 import BLOCKS_BY_M, DEVICE_TILES
+# stages twice the bytes of x; matmul takes the depth wna16.swap_depth gives): each within the multiprocessor's
+# shared memory, through TMA where the tile asks for it and through pointers (where TMA cannot read the tensors).
+# The table's 128-row tile 128 deep did not fit with float32 x once.
+from quantship.kernels.wna16 import BLOCKS_BY_M, DEVICE_TILES, swap_depth
 tiles = {b for b in [b for _, b in BLOCKS_BY_M] + [b for own in DEVICE_TILES.values() for b in own.values()]
          if b.kind == "swap_bf16x2"}
-print("table tiles", len(tiles))
+print("table tiles", len(tiles), "through tma", sum(b.tma for b in tiles))
 for b in tiles:
-    for x_type in ("*bf16", "*fp32"):
-        compile(wna16.wna16_swap_bf16x2_kernel, dict(matmul, x_ptr=x_type, s_ptr=x_type, y_ptr=x_type),
-                dict(HAS_ZERO=False, ATOMIC=True, FINISH=b.finish, EVEN_K=True, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-                     BLOCK_K=b.block_k, ROWS_FIRST=b.rows_first, ASM=x_type == "*bf16", X_PAIRED=b.x_paired),
-                attrs=("x_ptr", "w_ptr", "N", "K", "stride_xm", "k_per_split"),
-                options={"num_warps": b.num_warps, "num_stages": b.num_stages})
+    for x_type, x_bytes in (("bf16", 2), ("fp32", 4)):
+        depth = swap_depth(b, b.block_k, x_bytes)
+        tile = dict(HAS_ZERO=False, ATOMIC=True, FINISH=b.finish, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=depth,
+                    ROWS_FIRST=b.rows_first, ASM=x_type == "bf16", X_PAIRED=b.x_paired)
+        options = {"num_warps": b.num_warps, "num_stages": b.num_stages}
+        compile(wna16.wna16_swap_bf16x2_kernel, dict(matmul, x_ptr="*" + x_type, s_ptr="*" + x_type, y_ptr="*" + x_type),
+                dict(tile, EVEN_K=True), attrs=("x_ptr", "w_ptr", "N", "K", "stride_xm", "k_per_split"), options=options)
+        if b.tma:
+            descriptors = {"x_desc": f"tensordesc<{x_type}[{b.block_m}, {depth}]>",
+                           "w_desc": f"tensordesc<i32[{depth // 8}, {b.block_n}]>"}
+            pointers = {k: v for k, v in matmul.items() if k not in ("x_ptr", "w_ptr", "stride_xm", "stride_wk", "stride_wn")}
+            kernel = compile(wna16.wna16_swap_bf16x2_tma_kernel,
+                             dict(descriptors, **dict(pointers, s_ptr="*" + x_type, y_ptr="*" + x_type)), tile,
+                             attrs=("N", "K", "k_per_split"), options=options)
+            # the tiles come by TMA copies alone, and for bf16 x the pairs are made on the product's operand registers
+            assert "cp.async.bulk.tensor" in kernel.asm["ptx"] and "cp.async.cg" not in kernel.asm["ptx"]
+            asm = [line for line in kernel.asm["ttgir"].splitlines() if "elementwise_inline_asm" in line and "lop3" in line]
+            assert x_type == "fp32" or (len(asm) == 1 and "#ttg.dot_op<{opIdx = 0" in asm[0]), asm
 experts = {"w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8"}
 gate_up = {"x_ptr": "*bf16", **{p.replace("w_", "gate_").replace("s_", "gate_s_").replace("z_", "gate_z_"): t
            for p, t in experts.items()}, **{p.replace("w_", "up_").replace("s_", "up_s_").replace("z_", "up_z_"): t
@@ -222,8 +235,8 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    tiles = int(re.search(r"table tiles (\d+)", done.stdout).group(1))
-    assert tiles >= 4 and done.stdout.count(" ok") == 162 + 2 * tiles
+    tiles, tma = map(int, re.search(r"table tiles (\d+) through tma (\d+)", done.stdout).groups())
+    assert tiles >= 4 and done.stdout.count(" ok") == 162 + 2 * (tiles + tma)
 
 
 def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):

@@ -218,11 +218,33 @@ def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
                        wna16.Blocks("swap_bf16x2", 16, 64, 128, -1, 4, 2, finish=False),
                        # x copied to the pair order first (K a multiple of 32; otherwise permuted per tile)
                        wna16.Blocks("swap_bf16x2", 16, 32, 64, 2, 4, 2, x_paired=True),
+                       # x and the words copied by TMA (zeros past K and M), x permuted per tile or paired first
+                       wna16.Blocks("swap_bf16x2", 16, 32, 128, 0, 4, 2, tma=True),
+                       wna16.Blocks("swap_bf16x2", 32, 16, 64, 2, 4, 3, rows_first=True, x_paired=True, tma=True),
                        wna16.choose_blocks(128)):  # the table's prefill tile: two warp groups, rows first
             out = wna16.matmul(x.to(dtype), packed, scale.to(dtype), zero, bits, k, group, blocks=blocks)
             error = (out.float() - expected).norm() / expected.norm()
             tolerance = 1e-5 if DEVICE == "cpu" else 1e-2 if dtype == torch.bfloat16 else 3e-3
             assert out.dtype == dtype and error < tolerance, (dtype, blocks, error.item())
+
+
+def test_tma_tile_only_where_its_copies_can_read():
+    """TMA copies need 16-byte aligned starts and row strides: x contiguous with K a multiple of 16 bytes, the
+    words held along N with N a multiple of 4. Where they are not, the same tiles run without TMA and give the
+    same numbers."""
+    values, scale, _ = random_quantized(40, 198, 4, 198, True, seed=3)
+    packed = wna16.pack(values, 4).to(DEVICE)
+    scale = scale.to(DEVICE)
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    assert wna16.tma_fits(x, packed)
+    assert not wna16.tma_fits(x[:, :198].contiguous(), packed)  # 792 bytes a row
+    assert not wna16.tma_fits(x.view(-1)[1:801].view(4, 200), packed)  # starts 4 bytes past an aligned one
+    assert not wna16.tma_fits(x, packed[:, :38].contiguous())  # 38 outputs: rows of 152 bytes
+    assert not wna16.tma_fits(x, wna16.hold(packed, along_k=True))
+    tma = wna16.Blocks("swap_bf16x2", 16, 32, 64, 0, 4, 2, tma=True)
+    expected = wna16.reference_matmul(x[:, :198], packed, scale, None, 4, 198, 198)
+    out = wna16.matmul(x[:, :198], packed, scale, None, 4, 198, 198, blocks=tma)  # falls back: same numbers
+    assert (out.float() - expected).norm() / expected.norm() < (1e-5 if DEVICE == "cpu" else 3e-3)
 
 
 def test_bf16x2_ptx_only_where_its_pairs_are_checked():

@@ -774,3 +774,33 @@ def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wk, stride_wn, 
     mask = (offs_k < K) & (offs_n[None, None, :] < N)
     wait_for_inputs(PDL)
     tl.store(out_ptr + offs_k * N + offs_n[None, None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def wna16_swap_bf16x2_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, group_size,
+                                 k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 ROWS_FIRST: tl.constexpr, ASM: tl.constexpr, X_PAIRED: tl.constexpr):
+    """wna16_swap_bf16x2_kernel with x's and the words' tiles loaded by the Tensor Memory Accelerator (tensor
+    descriptors made on the host, wna16.matmul): one thread issues each tile's copy, where the cp.async loads
+    take every thread's address arithmetic and masks (as compiled for sm_90, about a quarter of the 16-row
+    tile's instructions per K tile). Past K and M the copies read zeros, so no masks; x [M, K] and the words
+    [K/8, N] come as they lie and are transposed in shared memory."""
+    ROWS: tl.constexpr = BLOCK_K // 8
+    offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
+    m0 = (tl.program_id(0) if ROWS_FIRST else tl.program_id(1)) * BLOCK_M
+    n0 = (tl.program_id(1) if ROWS_FIRST else tl.program_id(0)) * BLOCK_N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    groups = tl.cdiv(K, group_size)
+    scale, base = _column_scale(s_ptr, z_ptr, k_begin // group_size, groups, offs_n, N, HAS_ZERO)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = tl.trans(x_desc.load([m0, k0]))  # [BK, BM]
+        w = tl.trans(w_desc.load([k0 // 8, n0]))  # [BN, R]
+        scale_next, base_next = _column_scale(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, groups, offs_n, N, HAS_ZERO)
+        xo = x if X_PAIRED else _pair_order_x(x, BLOCK_K, BLOCK_M)
+        part = tl.dot(_pair_values(_pair_words(w, BLOCK_K), x.dtype, ASM), xo, out_dtype=tl.float32)
+        if HAS_ZERO:
+            part -= (base - 8) * tl.sum(x.to(tl.float32), axis=0)[None, :]
+        acc += part * scale
+        scale, base = scale_next, base_next
+    _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)

@@ -173,6 +173,9 @@ class Blocks:
     x_paired: bool = False  # swap_bf16x2: x copied to the pair order once per call (pair_order_x, K a multiple of
     # 32) and read straight into the products, where each K tile of it would be permuted in registers and stored
     # back to shared memory (H100, a 6.7B layer's calls at 64 rows, the copy counted: 114.6 µs against 132.3)
+    tma: bool = False  # swap_bf16x2: x's and the words' tiles copied by the Tensor Memory Accelerator (tensor
+    # descriptors, Hopper on; wna16_swap_bf16x2_tma_kernel), where the tile's own threads compute each load's
+    # addresses and masks; taken where the tensors lie as TMA needs (tma_fits), else the same tile without
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
     # compiled for sm_90 the 16-row swap_bf16x2 tile takes 130, two more than lets four of its programs share a
     # multiprocessor
@@ -194,10 +197,10 @@ GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per progra
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
-    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3)),
-    (32, Blocks("swap_bf16x2", 32, 128, 128, 0, 4, 3, x_paired=True)),
-    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 4, 3, x_paired=True)),
-    (128, Blocks("swap_bf16x2", 128, 128, 64, 4, 8, 3, finish=False, rows_first=True, x_paired=True)),
+    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True)),
+    (32, Blocks("swap_bf16x2", 32, 128, 128, 4, 4, 3, x_paired=True, tma=True)),
+    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 8, 3, x_paired=True, tma=True)),
+    (128, Blocks("swap_bf16x2", 128, 128, 128, 4, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True)),
     (None, Blocks("dequantize", 0, 256, 64, 1, 4, 1)),
 ]
 
@@ -262,6 +265,22 @@ def _block_k(blocks: Blocks, k: int, group_size: int) -> int:
     if blocks.kind in GEMV_KINDS:
         return block_k
     while group_size < k and group_size % block_k:
+        block_k //= 2
+    return block_k
+
+
+# Shared memory a swap_bf16x2 tile's stages may take, by the estimate in swap_depth: the 128-row tile 128 deep takes
+# 123 KB of it for bf16 x and 216 KB for float32 x, which compiled for sm_90 needs 278 KB of the 227 KB there are
+# (layout scratch besides the stages); at 64 deep, 108 KB.
+SWAP_STAGE_BYTES = 192 << 10
+
+
+def swap_depth(blocks: Blocks, block_k: int, x_bytes: int) -> int:
+    """swap_bf16x2's tile depth for x of `x_bytes` per element: block_k, halved while its pipeline stages (x's
+    [BM, BK] tile and the words' [BK/8, BN] each stage) would pass SWAP_STAGE_BYTES, so a table tile chosen for
+    bf16 x also fits a float32 model's (tests/test_kernels_compile.py compiles both as launched)."""
+    while block_k > 32 and blocks.num_stages * block_k * (blocks.block_m * x_bytes + blocks.block_n // 2) \
+            > SWAP_STAGE_BYTES:
         block_k //= 2
     return block_k
 
@@ -413,7 +432,8 @@ def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and blocks.block_n % (16 * blocks.num_warps) == 0
             and capability_major(x) == 9):
         return False
-    key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages, blocks.x_paired)
+    key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages, blocks.x_paired,
+           blocks.tma)
     if key not in _PAIRS_CHECKED:
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -431,6 +451,29 @@ def _pairs_agree(device: torch.device, blocks: Blocks) -> bool:
     x = torch.randn(blocks.block_m, k, generator=g).to(device, torch.bfloat16)
     fast, plain = (matmul(x, packed, scale, None, 4, k, k, blocks, pairs_asm=asm).float() for asm in (True, False))
     return bool(((fast - plain).norm() <= 1e-3 * plain.norm()).item())
+
+
+def tma_fits(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether swap_bf16x2's TMA tile takes x [M, K] and the packed words: TMA copies from 16-byte aligned
+    addresses with 16-byte aligned row strides, so x contiguous with K a multiple of 16 bytes, the words held
+    along N (hold, WORDS_ALONG_K False) with N a multiple of 4, both starting at a 16-byte boundary."""
+    return (x.is_contiguous() and x.shape[1] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0
+            and not held_along_k(packed) and packed.stride(1) == 1 and packed.shape[1] % 4 == 0
+            and packed.data_ptr() % 16 == 0)
+
+
+def _swap_bf16x2_tma(x2: torch.Tensor, packed: torch.Tensor, blocks: Blocks, block_k: int, grid: tuple,
+                     tail: tuple, common: dict, **constexprs) -> None:
+    """Launches wna16_swap_bf16x2_tma_kernel: tensor descriptors for x's [BM, BK] tiles and the words'
+    [BK/8, BN] tiles (TMA reads zeros past either tensor's edge), the rest as the pointer tile takes it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from quantship.kernels._wna16_triton import wna16_swap_bf16x2_tma_kernel
+
+    x_desc = TensorDescriptor.from_tensor(x2, [blocks.block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(packed, [block_k // 8, blocks.block_n])
+    options = {key: value for key, value in common.items() if key not in ("EVEN_K", "PDL", "launch_pdl")}
+    wna16_swap_bf16x2_tma_kernel[grid](x_desc, w_desc, *tail, **options, **constexprs)
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -460,7 +503,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         return torch.mm(x2, w).reshape(*shape[:-1], n)
     block_k = _block_k(blocks, k, group_size)
     if blocks.kind == "swap_bf16x2":  # whole pair blocks of 32 inputs, inside one group (_block_k)
-        block_k = max(32, block_k)
+        block_k = max(32, swap_depth(blocks, block_k, x.element_size()))
     elif blocks.kind in ("swap_dot", "swap_x"):  # 16 word rows at least (a product's depth), so 128 inputs of 4 bits
         block = 16 * (32 // bits)
         block_k = max(block, block_k // block * block)
@@ -496,9 +539,14 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         paired = blocks.x_paired and k % 32 == 0
         if paired:
             args = (pair_order_x(x2), *args[1:])
-        kernels.wna16_swap_bf16x2_kernel[grid](*args, BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first,
-                                               ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None
-                                               else pairs_asm, X_PAIRED=paired, **common)
+        constexprs = dict(BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first, X_PAIRED=paired,
+                          ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None else pairs_asm)
+        if blocks.tma and tma_fits(args[0], packed):
+            # its arguments past x's and the words' pointers and strides: scales to the split's K range
+            _swap_bf16x2_tma(args[0], packed, blocks, block_k, grid, (*args[2:10], group_size, per_split), common,
+                             **constexprs)
+        else:
+            kernels.wna16_swap_bf16x2_kernel[grid](*args, **constexprs, **common)
     elif blocks.kind == "swap_x":
         kernels.wna16_swap_x_kernel[grid](*args, SPANS=spans, BLOCK_M=blocks.block_m,
                                           ROWS_FIRST=rows_first, **common)
