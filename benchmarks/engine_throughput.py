@@ -751,7 +751,11 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 45: each K tile's scales loaded a tile ahead in swap_bf16x2, x still permuted per tile (the "
+    "": {"H100, stop 46: swap_bf16x2 loading through TMA from 16 to 128 rows, beside the same tiles without TMA "
+         "(`quick --no-tma`, alternating; at 64 rows the adopted TMA tile has two warp groups, so the one without "
+         "TMA is not stop 45's tile)": "_stop46_no_tma",
+         "H100, stop 46: swap_bf16x2 loading through TMA, a run before the one above": "_stop46_tma",
+         "H100, stop 45: each K tile's scales loaded a tile ahead in swap_bf16x2, x still permuted per tile (the "
          "adopt meant to take x_paired dropped the field; fixed after)": "_stop45_scale_ahead",
          "H200, stop 44: the one-row GEMV in the H200's own 512x64 tiles (`adopt --device`; `quick --batches 1` "
          "now, then a wrapper setting the table's one-row entry), batch 1, run before and after the next line (this "

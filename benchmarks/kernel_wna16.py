@@ -194,9 +194,12 @@ def candidates(m: int):
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, stages, tma=True) for bk in (128, 256)
                 for split in (0, 4, 8) for stages in (3, 4)]
         out += [Blocks("swap_bf16x2", rows, 128, 128, split, 4, 3, x_paired=True, tma=True) for split in (0, 8)]
+        # other widths, deeper or shallower pipelines and K split 16 (`--kinds tma`, a second look)
+        out += [Blocks("swap_bf16x2", rows, bn, 128, split, warps, stages, tma=True)
+                for bn, warps in ((64, 4), (128, 4), (256, 8)) for split in (8, 16) for stages in (2, 3, 5)]
     else:
-        out += [Blocks("swap_bf16x2", rows, 128, bk, split, warps, 3, x_paired=True, tma=True)
-                for warps, bk in ((4, 128), (8, 128), (8, 64)) for split in (0, 2, 4)]
+        out += [Blocks("swap_bf16x2", rows, 128, bk, split, warps, stages, x_paired=True, tma=True)
+                for warps, bk in ((4, 128), (8, 128), (8, 64)) for split in (0, 2, 4) for stages in (3, 4)]
     if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
                 for split in (0, 4, 8)]
@@ -519,6 +522,18 @@ PARTIAL_SWEEPS = {
                                 "tile per program (stop 45, H100): split 16 took 57.2-59.2 µs a layer, split 8 "
                                 "71.8-72.2, one tile a program 49.6 (512 outputs) and 52.2 (the table's 256): the "
                                 "atomic adds of the partial sums cost less than the parallelism they buy; no change",
+    "kernel_wna16_tma": "`swap_bf16x2` from 16 to 128 rows with x's and the words' tiles copied by TMA (`tma`, "
+                        "`--kinds tma`: tensor descriptors, one thread issuing each tile's copy where every thread "
+                        "computed cp.async addresses and masks; the 16-row tile's compiled loop 355 instructions "
+                        "a K tile against 381, and 127 registers against 167, four programs a multiprocessor) "
+                        "beside the table's tiles (stop 46, H100): a layer's calls 68.7 against 74.4 µs at 16 "
+                        "rows, 90.3 against 92.2 at 32, 110.4 against 114.1 at 64 (two warp groups), 193.6 "
+                        "against 220.3 at 128 (128 deep: TMA's stages fit shared memory for bf16 x; float32 x "
+                        "takes 64 deep, wna16.swap_depth); adopted from 16 to 128 rows",
+    "kernel_wna16_tma2": "TMA tiles again (stop 46, H100, after adopting them): 64, 128 or 256 outputs, 2 to 5 "
+                         "pipeline stages, K split 8 or 16 at 16 rows, 4 stages at 32 and 64: none led the "
+                         "adopted tiles (69.0, 89.1 and 112.1 µs a layer); each shape's own fastest tiles would "
+                         "take 65.5, 81.1 and 109.7 (mostly another K split for the widest and narrowest N)",
     "kernel_wna16_h100_m1": "the one-row GEMV on an H100 (stop 44): 512x128 tiles 4.4% faster than the table's "
                             "256x128 a layer (49.97 against 52.27 µs), but in the engine the batch-1 W4A16 decode "
                             "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "

@@ -15,7 +15,8 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
   same products, x read as it is, a K tile ahead.
 - wna16_swap_bf16x2_kernel (int4, 2 to 128 rows): the swap tile's operands with one product per K tile, the
   words spread in registers to a pair order and dequantized two values per bf16x2 instruction, x permuted
-  to match.
+  to match. wna16_swap_bf16x2_tma_kernel: the same tile with x's and the words' tiles copied by TMA (tensor
+  descriptors), the table's choice from 16 to 128 rows where the tensors lie as TMA needs.
 - dequantize_kernel (past the tiles' rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the
   rest.
 The fused MoE reuses these pieces: the GEMV's words / x / product steps for its slot GEMV,

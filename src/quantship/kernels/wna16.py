@@ -25,7 +25,8 @@ product's wait in series); the table takes it from 2 to 32 rows, where it measur
 position: the word tile is spread in registers so that each thread's operand pairs are two values of one
 word, dequantized two per lop3 and bf16x2 subtraction, and x's tile is permuted to the same order (as
 compiled for sm_90, about half the instructions of swap_x per K tile); from 32 rows the table gives it x
-copied to that order once per call (pair_order_x), so its tiles go from memory to the product as loaded. The
+copied to that order once per call (pair_order_x), so its tiles go from memory to the product as loaded, and
+from 16 rows its tiles of x and of the words come by TMA (tensor descriptors made per call, tma_fits). The
 small-M ones split K over several programs and add partial sums atomically (fp32), so a batch-1
 product still fills the GPU; they gather scales per word row where a tile spans quantization
 groups. Which runs for which M is a fixed table measured on an H200 and an H100
@@ -192,8 +193,11 @@ GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per progra
 # cannot take the weight (int8, groups of 16) swap_x's products with the same tiles, or dequantize + cuBLAS past
 # 64 rows. Past the last class dequantize + cuBLAS. From 32 rows x is copied to the pair order first (x_paired;
 # an H100 sweep, stop 45, the copy counted: a layer's calls 114.6 µs against 132-135 at 64 rows, 213.6 against
-# 230-238 at 128, level at 32). The 128-row tile is 64 deep, 3% behind 128 deep in that sweep, because 128 deep
-# does not fit shared memory for float32 x (tests/test_kernels_compile.py compiles every tile for both).
+# 230-238 at 128, level at 32). Since stop 46 the tiles load through TMA (Blocks.tma; an H100 sweep, a layer's
+# calls: 68.7 against 74.4 µs at 16 rows, 90.3 against 92.2 at 32, 110.4 against 114.1 at 64, where two warp
+# groups took the lead, 193.6 against 220.3 at 128, 128 deep). A tile 128 deep over 128 rows does not fit shared
+# memory for float32 x: matmul takes it 64 deep there (swap_depth; tests/test_kernels_compile.py compiles every
+# tile as launched for both).
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
