@@ -534,6 +534,11 @@ PARTIAL_SWEEPS = {
                          "pipeline stages, K split 8 or 16 at 16 rows, 4 stages at 32 and 64: none led the "
                          "adopted tiles (69.0, 89.1 and 112.1 µs a layer); each shape's own fastest tiles would "
                          "take 65.5, 81.1 and 109.7 (mostly another K split for the widest and narrowest N)",
+    "kernel_wna16_tma_prefill": "the TMA tile of 128 rows at 256 and 2,048 rows (two and sixteen row blocks, the "
+                                "grid walking the row blocks first so a weight tile's second block finds it in L2) "
+                                "beside dequantize + cuBLAS (stop 46, H100): at 256 rows K split 2 took 329.9 µs "
+                                "a layer against 370.6, adopted as a class of its own (129-256 rows: prefill chunks "
+                                "of that size); at 2,048 rows 2,329 against 1,279, dequantize + cuBLAS stays",
     "kernel_wna16_h100_m1": "the one-row GEMV on an H100 (stop 44): 512x128 tiles 4.4% faster than the table's "
                             "256x128 a layer (49.97 against 52.27 µs), but in the engine the batch-1 W4A16 decode "
                             "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "
@@ -572,6 +577,40 @@ def _partial_sweep_text() -> list[str]:
     return parts
 
 
+CURRENT_RUN = "kernel_wna16_current.json"  # `run --name kernel_wna16_current`: the table the code has now, no sweep
+
+
+def _current_text() -> list[str]:
+    """The newest run of the table as the code has it (no sweep): per call at 1, 16 and 64 rows the GB/s of the
+    bytes it must read against the copy bandwidth and bf16 cuBLAS, and a 6.7B layer's four calls at every M."""
+    path = RESULTS / CURRENT_RUN
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    bandwidth = r["copy_bandwidth"]
+    rows = [[row["shape"], row["m"], f"{row['bf16_s'] * 1e6:.1f}", f"{row['w4a16_s'] * 1e6:.1f}",
+             f"{row['w4a16_gbs']:.0f}", f"{row['w4a16_gbs'] * 1e9 / bandwidth:.0%}", f"{row['bf16_gbs']:.0f}",
+             f"{row['w8a16_gbs']:.0f}", f"{row['tinygemm_gbs']:.0f}" if "tinygemm_gbs" in row else "-",
+             f"{row['bf16_s'] / row['w4a16_s']:.2f}x"]
+            for row in r["rows"] if row["m"] in (1, 16, 64) and row["shape"] != "gate/up 11008x4096"]
+    layer = []
+    for m in sorted({row["m"] for row in r["rows"]}):
+        calls = [row for row in r["rows"] if row["m"] == m and row["shape"] in SWEEP_SHAPES]
+        if len(calls) == len(SWEEP_SHAPES):
+            w4, bf16 = sum(c["w4a16_s"] for c in calls), sum(c["bf16_s"] for c in calls)
+            layer.append([m, f"{bf16 * 1e6:.1f}", f"{w4 * 1e6:.1f}", f"{bf16 / w4:.2f}x"])
+    return [f"The table as the code has it now (`run --name kernel_wna16_current`, no sweep; **{r['device']}**, "
+            f"copy bandwidth {bandwidth / 1e12:.2f} TB/s in the same run; group {r['group_size']}, symmetric; "
+            "CUDA-graph replays over weight copies that leave the L2 cold). GB/s counts the bytes each call must "
+            "read (packed weight + scales + activations, bf16 weight for cuBLAS); the 6.7B shapes the engine runs "
+            "(q/k/v and gate/up merged):", "",
+            table(["Linear (out x in)", "M", "bf16 F.linear µs", "W4A16 µs", "W4A16 GB/s", "of copy bandwidth",
+                   "bf16 GB/s", "W8A16 GB/s", "tinygemm W4 GB/s", "W4A16 speed-up over bf16"], rows), "",
+            "One 6.7B decoder layer's four calls (fused qkv, o_proj, gate+up, down), summed:", "",
+            table(["M", "bf16 µs", "W4A16 µs", "W4A16 speed-up"], layer), "",
+            f"Its table: {r['table']}.", ""]
+
+
 def render() -> None:
     r = json.loads((RESULTS / "kernel_wna16.json").read_text())
     rows = []
@@ -584,8 +623,9 @@ def render() -> None:
                      f"{row['w8a16_gbs']:.0f}", f"{row['bf16_s'] / row['w4a16_s']:.2f}x", tiny_speed])
     prefill = [[row["shape"], row["m"], f"{row['bf16_s'] * 1e6:.0f}", f"{row['w4a16_s'] * 1e6:.0f}",
                 f"{row['bf16_s'] / row['w4a16_s']:.2f}x"] for row in r["rows"] if row["m"] == 2048]
-    parts = ["## W4A16 / W8A16 kernel (Triton, dequantize in registers)", "",
-             f"**{r['device']}**, group {r['group_size']}, symmetric; GB/s of the bytes each call must read (packed "
+    parts = ["## W4A16 / W8A16 kernel (Triton, dequantize in registers)", "", *_current_text(),
+             "An earlier full run with its sweep, the code and table of its time (the prose after it is of that "
+             f"time too): **{r['device']}**, group {r['group_size']}, symmetric; GB/s of the bytes each call must read (packed "
              "weight + scales + activations). CUDA-graph replays over weight copies that leave the L2 cold. "
              "Speed-ups are bf16 F.linear's time over the kernel's, same run. `python benchmarks/kernel_wna16.py "
              "run`.", "",

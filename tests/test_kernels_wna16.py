@@ -221,7 +221,8 @@ def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
                        # x and the words copied by TMA (zeros past K and M), x permuted per tile or paired first
                        wna16.Blocks("swap_bf16x2", 16, 32, 128, 0, 4, 2, tma=True),
                        wna16.Blocks("swap_bf16x2", 32, 16, 64, 2, 4, 3, rows_first=True, x_paired=True, tma=True),
-                       wna16.choose_blocks(128)):  # the table's prefill tile: two warp groups, rows first
+                       # the table's prefill tiles: two warp groups, rows first
+                       wna16.choose_blocks(128), wna16.choose_blocks(256)):
             out = wna16.matmul(x.to(dtype), packed, scale.to(dtype), zero, bits, k, group, blocks=blocks)
             error = (out.float() - expected).norm() / expected.norm()
             tolerance = 1e-5 if DEVICE == "cpu" else 1e-2 if dtype == torch.bfloat16 else 3e-3
