@@ -175,11 +175,12 @@ class Blocks:
     # 32) and read straight into the products, where each K tile of it would be permuted in registers and stored
     # back to shared memory (H100, a 6.7B layer's calls at 64 rows, the copy counted: 114.6 µs against 132.3)
     tma: bool = False  # swap_bf16x2: x's and the words' tiles copied by the Tensor Memory Accelerator (tensor
-    # descriptors, Hopper on; wna16_swap_bf16x2_tma_kernel), where the tile's own threads compute each load's
-    # addresses and masks; taken where the tensors lie as TMA needs (tma_fits), else the same tile without
+    # descriptors; wna16_swap_bf16x2_tma_kernel), where the tile's own threads compute each load's addresses and
+    # masks; taken on Hopper and later (and the interpreter) where the tensors lie as TMA needs (tma_fits), else
+    # the same tile loads through pointers
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
-    # compiled for sm_90 the 16-row swap_bf16x2 tile takes 130, two more than lets four of its programs share a
-    # multiprocessor
+    # compiled for sm_90 in stop 44 the 16-row swap_bf16x2 tile took 130, two more than lets four of its programs
+    # share a multiprocessor (its TMA form takes 127)
 
 
 GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
@@ -460,10 +461,12 @@ def _pairs_agree(device: torch.device, blocks: Blocks) -> bool:
 
 
 def tma_fits(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether swap_bf16x2's TMA tile takes x [M, K] and the packed words: TMA copies from 16-byte aligned
-    addresses with 16-byte aligned row strides, so x contiguous with K a multiple of 16 bytes, the words held
-    along N (hold, WORDS_ALONG_K False) with N a multiple of 4, both starting at a 16-byte boundary."""
-    return (x.is_contiguous() and x.shape[1] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0
+    """Whether swap_bf16x2's TMA tile takes x [M, K] and the packed words: a GPU with TMA (compute capability
+    9.0 on; off the GPU, Triton's interpreter), and TMA copies from 16-byte aligned addresses with 16-byte
+    aligned row strides, so x contiguous with K a multiple of 16 bytes, the words held along N (hold,
+    WORDS_ALONG_K False) with N a multiple of 4, both starting at a 16-byte boundary."""
+    return ((not x.is_cuda or capability_major(x) >= 9)
+            and x.is_contiguous() and x.shape[1] * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0
             and not held_along_k(packed) and packed.stride(1) == 1 and packed.shape[1] % 4 == 0
             and packed.data_ptr() % 16 == 0)
 
