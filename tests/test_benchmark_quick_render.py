@@ -52,3 +52,23 @@ def test_the_kernels_a_run_took_are_read_from_the_table_it_recorded():
         "ran PyTorch's tinygemm up to 8 rows, then the Triton kernel table of the run (one row: gemv_bf16x2; 2-32 "
         "rows: swap_x; 33-64 rows: swap_dot; past 64 rows: dequantize + cuBLAS; kernels.wna16, see the kernel "
         "section below)")
+
+
+def test_no_tma_side_takes_the_tables_tiles_through_pointers_and_puts_them_back():
+    """`quick --no-tma`: inside, every tile of the table and of the GPUs' own tiles loads without TMA (the
+    engines built there capture graphs with those); after, the table is the code's again, also after an error."""
+    from quantship.kernels import wna16
+
+    table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
+    assert any(b.tma for _, b in table)
+    with engine_throughput.tiles_without_tma(True):
+        assert not any(b.tma for _, b in wna16.BLOCKS_BY_M)
+        assert not any(b.tma for tiles in wna16.DEVICE_TILES.values() for b in tiles.values())
+        assert [(limit, b.kind, b.block_m) for limit, b in wna16.BLOCKS_BY_M] == \
+            [(limit, b.kind, b.block_m) for limit, b in table]
+    assert wna16.BLOCKS_BY_M is table and wna16.DEVICE_TILES is own
+    with pytest.raises(RuntimeError), engine_throughput.tiles_without_tma(True):
+        raise RuntimeError("a side failed")
+    assert wna16.BLOCKS_BY_M is table
+    with engine_throughput.tiles_without_tma(False):
+        assert wna16.BLOCKS_BY_M is table
