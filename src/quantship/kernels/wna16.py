@@ -474,7 +474,8 @@ def tma_fits(x: torch.Tensor, packed: torch.Tensor) -> bool:
 def _swap_bf16x2_tma(x2: torch.Tensor, packed: torch.Tensor, blocks: Blocks, block_k: int, grid: tuple,
                      tail: tuple, common: dict, **constexprs) -> None:
     """Launches wna16_swap_bf16x2_tma_kernel: tensor descriptors for x's [BM, BK] tiles and the words'
-    [BK/8, BN] tiles (TMA reads zeros past either tensor's edge), the rest as the pointer tile takes it."""
+    [BK/8, BN] tiles (TMA reads zeros past either tensor's edge), then `tail` (scales to the split's K range)
+    and the launch options as the pointer tile takes them, but the loads' (EVEN_K, PDL)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from quantship.kernels._wna16_triton import wna16_swap_bf16x2_tma_kernel
@@ -534,8 +535,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
                   EVEN_K=k % block_k == 0, **dependent_launch(x, default_off=not gemv),
                   **({"maxnreg": blocks.max_registers} if blocks.max_registers and x.is_cuda else {}))
     grid = (*grid, splits)
-    args = (x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
-            packed.stride(0), packed.stride(1), group_size, per_split)
+    outputs = (scale, zero if zero is not None else scale, y, sums, counters, m, n, k)  # every kernel's, after x, w
+    args = (x2, packed, *outputs, x2.stride(0), packed.stride(0), packed.stride(1), group_size, per_split)
     # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
     spans = group_size < k and group_size % block_k != 0
     if blocks.kind == "gemv":
@@ -550,9 +551,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
             args = (pair_order_x(x2), *args[1:])
         constexprs = dict(BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first, X_PAIRED=paired,
                           ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None else pairs_asm)
-        if blocks.tma and tma_fits(args[0], packed):
-            # its arguments past x's and the words' pointers and strides: scales to the split's K range
-            _swap_bf16x2_tma(args[0], packed, blocks, block_k, grid, (*args[2:10], group_size, per_split), common,
+        if blocks.tma and tma_fits(args[0], packed):  # x and the words as descriptors, no strides
+            _swap_bf16x2_tma(args[0], packed, blocks, block_k, grid, (*outputs, group_size, per_split), common,
                              **constexprs)
         else:
             kernels.wna16_swap_bf16x2_kernel[grid](*args, **constexprs, **common)
