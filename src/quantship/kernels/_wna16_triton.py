@@ -13,10 +13,10 @@ The same arithmetic in the shapes wna16.BLOCKS_BY_M chooses by M (rows of x):
   of the word tile, x permuted per call so each product's x is contiguous (wna16.permute_x).
 - wna16_swap_x_kernel (2 to 64 rows where swap_bf16x2 cannot take the weight: int8, groups of 16): the
   same products, x read as it is, a K tile ahead.
-- wna16_swap_bf16x2_kernel (int4, 2 to 128 rows): the swap tile's operands with one product per K tile, the
+- wna16_swap_bf16x2_kernel (int4, 2 to 256 rows): the swap tile's operands with one product per K tile, the
   words spread in registers to a pair order and dequantized two values per bf16x2 instruction, x permuted
   to match. wna16_swap_bf16x2_tma_kernel: the same tile with x's and the words' tiles copied by TMA (tensor
-  descriptors), the table's choice from 16 to 128 rows where the tensors lie as TMA needs.
+  descriptors), the table's choice from 16 to 256 rows where the GPU and the tensors allow (wna16.tma_fits).
 - dequantize_kernel (past the tiles' rows): writes the bf16 weight transposed [K, N] once; cuBLAS does the
   rest.
 The fused MoE reuses these pieces: the GEMV's words / x / product steps for its slot GEMV,
@@ -784,9 +784,10 @@ def wna16_swap_bf16x2_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, co
                                  ROWS_FIRST: tl.constexpr, ASM: tl.constexpr, X_PAIRED: tl.constexpr):
     """wna16_swap_bf16x2_kernel with x's and the words' tiles loaded by the Tensor Memory Accelerator (tensor
     descriptors made on the host, wna16.matmul): one thread issues each tile's copy, where the cp.async loads
-    take every thread's address arithmetic and masks (as compiled for sm_90, about a quarter of the 16-row
-    tile's instructions per K tile). Past K and M the copies read zeros, so no masks; x [M, K] and the words
-    [K/8, N] come as they lie and are transposed in shared memory."""
+    take every thread's address arithmetic and masks (as compiled for sm_90, about 95 of the 16-row tile's 381
+    instructions per K tile; through TMA the loop is 355, the copies' waits and the words' reads from shared
+    memory taking some back, and 127 registers against 167). Past K and M the copies read zeros, so no masks;
+    x [M, K] and the words [K/8, N] come as they lie and are transposed in shared memory."""
     ROWS: tl.constexpr = BLOCK_K // 8
     offs_m, offs_n, m_ok, r, k_begin, k_end = _swap_program(M, K, k_per_split, BLOCK_M, BLOCK_N, ROWS, ROWS_FIRST)
     m0 = (tl.program_id(0) if ROWS_FIRST else tl.program_id(1)) * BLOCK_M
