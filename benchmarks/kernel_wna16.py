@@ -165,9 +165,9 @@ def candidates(m: int):
             # x copied to the pair order once per call, its tiles read straight into the products (`--kinds paired`)
             Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=True)
             for bk in (64, 128) for split in (2, 4, 8)] + [
-            # x and the words copied by TMA (`--kinds tma`)
-            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True)
-            for bk in (64, 128) for split in (2, 4)]
+            # x and the words copied by TMA (`--kinds tma`), x copied to the pair order first or permuted per tile
+            Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=paired, tma=True)
+            for bk in (64, 128) for split in (2, 4) for paired in (True, False)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -204,6 +204,11 @@ def candidates(m: int):
     else:
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, warps, stages, x_paired=True, tma=True)
                 for warps, bk in ((4, 128), (8, 128), (8, 64)) for split in (0, 2, 4) for stages in (3, 4)]
+        # x permuted per tile in the kernel, no copy per call: through TMA the compiled loop is about as long as
+        # the paired tile's (Triton 3.6, sm_90: 385 against 384 instructions a K tile at 32 rows, 284 against 278
+        # at 64 with two warp groups), where the copy costs 2-3 µs a call (candidates since stop 46, not yet swept)
+        out += [Blocks("swap_bf16x2", rows, 128, 128, split, warps, 3, tma=True)
+                for warps in ((4, 8) if rows == 32 else (8,)) for split in (0, 2, 4)]
     if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
                 for split in (0, 4, 8)]
