@@ -608,7 +608,11 @@ def _current_text() -> list[str]:
         if len(calls) == len(SWEEP_SHAPES):
             w4, bf16 = sum(c["w4a16_s"] for c in calls), sum(c["bf16_s"] for c in calls)
             layer.append([m, f"{bf16 * 1e6:.1f}", f"{w4 * 1e6:.1f}", f"{bf16 / w4:.2f}x"])
-    return [f"The table as the code has it now (`run --name kernel_wna16_current`, no sweep; **{r['device']}**, "
+    from quantship.kernels.wna16 import table_for
+
+    whose = ("the kernel table as the code has it now" if r.get("table") == _table_text(table_for(r["device"]))
+             else "the kernel table as it stood then (the code's table has changed since; the run's is named below)")
+    return [f"A run of {whose} (`run --name kernel_wna16_current`, no sweep; **{r['device']}**, "
             f"copy bandwidth {bandwidth / 1e12:.2f} TB/s in the same run; group {r['group_size']}, symmetric; "
             "CUDA-graph replays over weight copies that leave the L2 cold). GB/s counts the bytes each call must "
             "read (packed weight + scales + activations, bf16 weight for cuBLAS); the 6.7B shapes the engine runs "

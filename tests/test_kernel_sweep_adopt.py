@@ -1,6 +1,7 @@
 """The W4A16 kernel sweep's adopt step (benchmarks/kernel_wna16.py): which tiles a --sweep run's ranking puts
 into kernels/wna16.py's table, written as the code's own source. No GPU: the ranking is made up here."""
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -156,3 +157,20 @@ def test_a_gpus_sweep_is_adopted_as_its_own_tiles_where_they_beat_the_tables_by_
     again = ranking(**{"1": [(GEMV, 1.0), (wide, 1.01)]})
     again["device"] = "made up"
     assert kernel_wna16.device_tiles(again) == {}
+
+
+def test_the_current_runs_section_says_whether_its_table_is_the_codes(monkeypatch, tmp_path):
+    """The kernel section opens with the newest run of the table (kernel_wna16_current.json): it says it is the
+    code's table only while the run recorded that table, and sums a layer's four calls per M from the run's rows."""
+    device = "NVIDIA H100 80GB HBM3"
+    rows = [{"shape": shape, "m": m, "bf16_s": 4e-5, "w4a16_s": 2e-5, "w4a16_gbs": 1500.0, "bf16_gbs": 2500.0,
+             "w8a16_gbs": 2000.0} for shape in kernel_wna16.SWEEP_SHAPES for m in (1, 16)]
+    monkeypatch.setattr(kernel_wna16, "RESULTS", tmp_path)
+    for table, claim in ((kernel_wna16._table_text(wna16.table_for(device)), "as the code has it now"),
+                         ("M <= 16: an older table", "as it stood then")):
+        run = {"device": device, "copy_bandwidth": 3e12, "group_size": 128, "table": table, "rows": rows}
+        (tmp_path / kernel_wna16.CURRENT_RUN).write_text(json.dumps(run))
+        text = "\n".join(kernel_wna16._current_text())
+        assert claim in text and f"Its table: {table}." in text
+        assert "| 16 | 160.0 | 80.0 | 2.00x |" in text  # four calls of 40 and 20 µs
+        assert "| q/o_proj 4096x4096 | 1 | 40.0 | 20.0 | 1500 | 50% |" in text

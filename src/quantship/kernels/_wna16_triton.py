@@ -686,6 +686,23 @@ def _pair_order_x(x, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _add_pair_tile(acc, x, w, scale, base, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr,
+                   X_PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """acc [BN, BM] plus one K tile of swap_bf16x2, however its tiles were loaded: the word tile w [BN, R] spread to
+    the pair order and dequantized two values per instruction (_pair_words, _pair_values), times x's tile [BK, BM]
+    (permuted to the same order here, unless X_PAIRED: copied to it before the call), the zero point taken off
+    the tile's sum, times the group's scales [BN, 1]."""
+    if X_PAIRED:  # x in the pair order already (wna16.pair_order_x): its tile goes to the product as loaded
+        xo = x
+    else:
+        xo = _pair_order_x(x, BLOCK_K, BLOCK_M)
+    part = tl.dot(_pair_values(_pair_words(w, BLOCK_K), x.dtype, ASM), xo, out_dtype=tl.float32)
+    if HAS_ZERO:  # sum_k (q - 8 - z) x = sum_k (q - 8) x - z sum_k x: the values stay a unary op's output
+        part -= (base - 8) * tl.sum(x.to(tl.float32), axis=0)[None, :]
+    return acc + part * scale
+
+
+@triton.jit
 def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
                              stride_wk, stride_wn, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                              FINISH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -722,14 +739,7 @@ def wna16_swap_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_
         # a layer's calls 1.11-1.15x faster at 16-64 rows loaded ahead, alternating on one machine; against
         # other machines' runs of the table the gain looked like 1-4%)
         scale_next, base_next = _column_scale(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, groups, offs_n, N, HAS_ZERO)
-        if X_PAIRED:  # x in the pair order already (wna16.pair_order_x): its tile goes to the product as loaded
-            xo = x
-        else:
-            xo = _pair_order_x(x, BLOCK_K, BLOCK_M)
-        part = tl.dot(_pair_values(_pair_words(w, BLOCK_K), x_ptr.dtype.element_ty, ASM), xo, out_dtype=tl.float32)
-        if HAS_ZERO:  # sum_k (q - 8 - z) x = sum_k (q - 8) x - z sum_k x: the values stay a unary op's output
-            part -= (base - 8) * tl.sum(x.to(tl.float32), axis=0)[None, :]
-        acc += part * scale
+        acc = _add_pair_tile(acc, x, w, scale, base, BLOCK_K, BLOCK_M, ASM, X_PAIRED, HAS_ZERO)
         scale, base = scale_next, base_next
     _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
 
@@ -799,10 +809,6 @@ def wna16_swap_bf16x2_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, co
         x = tl.trans(x_desc.load([m0, k0]))  # [BK, BM]
         w = tl.trans(w_desc.load([k0 // 8, n0]))  # [BN, R]
         scale_next, base_next = _column_scale(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, groups, offs_n, N, HAS_ZERO)
-        xo = x if X_PAIRED else _pair_order_x(x, BLOCK_K, BLOCK_M)
-        part = tl.dot(_pair_values(_pair_words(w, BLOCK_K), x.dtype, ASM), xo, out_dtype=tl.float32)
-        if HAS_ZERO:
-            part -= (base - 8) * tl.sum(x.to(tl.float32), axis=0)[None, :]
-        acc += part * scale
+        acc = _add_pair_tile(acc, x, w, scale, base, BLOCK_K, BLOCK_M, ASM, X_PAIRED, HAS_ZERO)
         scale, base = scale_next, base_next
     _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)

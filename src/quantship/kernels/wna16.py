@@ -439,12 +439,12 @@ def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and blocks.block_n % (16 * blocks.num_warps) == 0
             and capability_major(x) == 9):
         return False
-    key = (x.device, blocks.block_m, blocks.block_n, block_k, blocks.num_warps, blocks.num_stages, blocks.x_paired,
-           blocks.tma)
+    checked = replace(blocks, block_k=block_k, split_k=1)  # the tile as launched: every field that shapes it
+    key = (x.device, checked)
     if key not in _PAIRS_CHECKED:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _PAIRS_CHECKED[key] = _pairs_agree(x.device, replace(blocks, block_k=block_k, split_k=1))
+        _PAIRS_CHECKED[key] = _pairs_agree(x.device, checked)
     return _PAIRS_CHECKED[key]
 
 
