@@ -569,7 +569,9 @@ def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(m
         assert wna16.takes_gated(1, x, 4) and not wna16.takes_gated(3, x, 4)  # 3 rows take the swap_x tile
         three = mlp(x)
         if DEVICE == "cpu":
-            torch.testing.assert_close(three, separate, rtol=1e-4, atol=1e-5)
+            # float32 sums in another order than the float64 reference: rounding of outputs up to about 200 (this
+            # machine's interpreter put 3e-5 on an output of 0.18; 2e-7 of the whole)
+            assert ((three - separate).norm() / separate.norm()).item() < 1e-6
         else:  # the swap tile's float32 product runs on tensor cores as TF32 there
             assert ((three - separate).norm() / separate.norm()).item() < 1e-2
         assert products == [(3, inter)]
