@@ -221,12 +221,42 @@ def test_bf16x2_swap_tile_equals_the_reference(bits, group, symmetric, m, n, k):
                        # x and the words copied by TMA (zeros past K and M), x permuted per tile or paired first
                        wna16.Blocks("swap_bf16x2", 16, 32, 128, 0, 4, 2, tma=True),
                        wna16.Blocks("swap_bf16x2", 32, 16, 64, 2, 4, 3, rows_first=True, x_paired=True, tma=True),
+                       # the same through TMA in equal runs of all the K tiles (stream-K)
+                       wna16.Blocks("swap_bf16x2", 16, 32, 128, 0, 4, 2, tma=True, stream=2),
+                       wna16.Blocks("swap_bf16x2", 32, 16, 64, 2, 4, 3, x_paired=True, tma=True, stream=1),
                        # the table's prefill tiles: two warp groups, rows first
                        wna16.choose_blocks(128), wna16.choose_blocks(256)):
             out = wna16.matmul(x.to(dtype), packed, scale.to(dtype), zero, bits, k, group, blocks=blocks)
             error = (out.float() - expected).norm() / expected.norm()
             tolerance = 1e-5 if DEVICE == "cpu" else 1e-2 if dtype == torch.bfloat16 else 3e-3
             assert out.dtype == dtype and error < tolerance, (dtype, blocks, error.item())
+
+
+@pytest.mark.parametrize("per_sm", [1, 2, 3, 7])
+@pytest.mark.parametrize("finish", [True, False])
+def test_stream_runs_share_tiles_in_every_way_and_leave_the_workspace_clean(per_sm, finish, monkeypatch):
+    """The stream kernel's equal runs of all the K tiles: depending on how many programs there are, a run lies
+    inside one tile, takes tiles whole, or starts and ends inside tiles it shares with other runs (through the
+    workspace and the tiles' counters, or, where no workspace may be grown as in CUDA-graph capture, added into
+    a zeroed float32 y); over several row blocks of x and a last K tile cut short. Each equals the reference,
+    runs the stream kernel (not the K split), and leaves the workspace at zero for the next call."""
+    values, scale, zero = random_quantized(72, 544, 4, 32, False, seed=per_sm)
+    packed, scale, zero = wna16.pack(values, 4).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+    streamed = []
+    launch = wna16._swap_bf16x2_stream
+    monkeypatch.setattr(wna16, "_swap_bf16x2_stream", lambda *a, **kw: streamed.append(a[5]) or launch(*a, **kw))
+    if not finish:
+        monkeypatch.setattr(wna16, "split_workspace", lambda *a: None)
+    for m in (3, 40):  # one row block, three
+        x = torch.randn(m, 544, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        blocks = wna16.Blocks("swap_bf16x2", 16, 32, 64, 4, 4, 2, tma=True, stream=per_sm)
+        out = wna16.matmul(x, packed, scale, zero, 4, 544, 32, blocks=blocks)
+        expected = wna16.reference_matmul(x, packed, scale, zero, 4, 544, 32)
+        assert out.dtype == x.dtype and (out - expected).norm() / expected.norm() < (1e-5 if DEVICE == "cpu" else 3e-3)
+    assert streamed == [blocks, blocks]
+    monkeypatch.undo()
+    sums, counters = wna16.split_workspace(x.device, 0, 0)
+    assert not sums.any() and not counters.any()
 
 
 def test_tma_tile_only_where_its_copies_can_read():

@@ -47,6 +47,12 @@ def device_name(x: torch.Tensor) -> str | None:
     return _gpu(x)[1] if x.is_cuda else None
 
 
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (4 for the CPU under Triton's interpreter: grids sized by it get tested
+    there at small sizes too)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def pdl_asked(default_off: bool = False) -> bool:
     """Whether QUANTSHIP_PDL asks for programmatic dependent launch for a kernel (dependent_launch): 0 for
     none, 1 for every kernel, anything else (unset) for every kernel but those `default_off`."""

@@ -183,6 +183,13 @@ def _add_split(part, ws_ptrs, y_ptrs, mask, counter_ptr, splits):
     workspace; the program that adds the last split of its tile writes y in y's dtype and zeroes the
     workspace and its counter for the next call. One launch instead of a memset, the kernel and a cast."""
     tl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
+    _finish_split(ws_ptrs, y_ptrs, mask, counter_ptr, splits)
+
+
+@triton.jit
+def _finish_split(ws_ptrs, y_ptrs, mask, counter_ptr, splits):
+    """A split's sums added into the workspace, counted in: the program that counts the last split of the tile
+    writes y from the workspace (and clears it; _take_sums)."""
     if _last_split(counter_ptr, splits):
         tl.store(y_ptrs, _take_sums(ws_ptrs, mask).to(y_ptrs.dtype.element_ty), mask=mask)
 
@@ -812,3 +819,80 @@ def wna16_swap_bf16x2_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, co
         acc = _add_pair_tile(acc, x, w, scale, base, BLOCK_K, BLOCK_M, ASM, X_PAIRED, HAS_ZERO)
         scale, base = scale_next, base_next
     _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC, FINISH)
+
+
+@triton.jit
+def _sharing(tile, k_steps, steps_per_program):
+    """How many of the stream kernel's runs take a step of `tile` (equal runs laid over the tiles' K steps)."""
+    return (tile * k_steps + k_steps - 1) // steps_per_program - tile * k_steps // steps_per_program + 1
+
+
+@triton.jit
+def _stream_offsets(tile, tiles_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An output tile's offsets into y [M, N] as the swap tiles hold it ([BN, BM]), and their mask."""
+    offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m[None, :] * N + offs_n[:, None], (offs_m < M)[None, :] & (offs_n < N)[:, None]
+
+
+@triton.jit
+def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, group_size,
+                                    steps_per_program, HAS_ZERO: tl.constexpr, FINISH: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    ASM: tl.constexpr, X_PAIRED: tl.constexpr):
+    """wna16_swap_bf16x2_tma_kernel over an even share of all the call's K tiles (stream-K): the K steps of every
+    output tile (row blocks of x first, as ROWS_FIRST), laid end to end, go to the programs in equal runs of
+    steps_per_program, one loop over the run; the grid is as many programs as the GPU holds at once, so no last
+    wave runs part-empty, and the copies of a tile's first K tiles are in flight while the tile before ends,
+    where a K split's program waits for its first copies every few K tiles. A tile the run takes whole is stored
+    inside the loop; the tiles it shares with other runs (its first and its last at most) are added to theirs
+    after it (_finish_split), as the workspace's counter needs a barrier that would keep Triton from pipelining the
+    loop (as compiled for sm_90: one buffer, the copies waited for in every step)."""
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    start = tl.program_id(0) * steps_per_program
+    end = tl.minimum(start + steps_per_program, tiles_m * tl.cdiv(N, BLOCK_N) * k_steps)
+    groups = tl.cdiv(K, group_size)
+    # the step's position carried from step to step, where dividing its index would take two divisions a step
+    first = start // k_steps
+    kk = start - first * k_steps
+    m_blk = first % tiles_m
+    n_blk = first // tiles_m
+    whole = kk == 0  # this run took the current tile from its first K step
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    scale, base = _column_scale(s_ptr, z_ptr, kk * BLOCK_K // group_size, groups, n_blk * BLOCK_N + tl.arange(0, BLOCK_N),
+                                N, HAS_ZERO)
+    for g in range(start, end):
+        tile = n_blk * tiles_m + m_blk
+        x = tl.trans(x_desc.load([m_blk * BLOCK_M, kk * BLOCK_K]))  # [BK, BM]
+        w = tl.trans(w_desc.load([kk * (BLOCK_K // 8), n_blk * BLOCK_N]))  # [BN, R]
+        kk += 1
+        leaving = kk == k_steps
+        kk = tl.where(leaving, 0, kk)
+        m_blk += leaving.to(tl.int32)
+        wrapped = m_blk == tiles_m
+        m_blk = tl.where(wrapped, 0, m_blk)
+        n_blk += wrapped.to(tl.int32)
+        scale_next, base_next = _column_scale(s_ptr, z_ptr, kk * BLOCK_K // group_size, groups,
+                                              n_blk * BLOCK_N + tl.arange(0, BLOCK_N), N, HAS_ZERO)  # a step ahead
+        acc = _add_pair_tile(acc, x, w, scale, base, BLOCK_K, BLOCK_M, ASM, X_PAIRED, HAS_ZERO)
+        scale, base = scale_next, base_next
+        if leaving & (g < end - 1):  # a tile left before the run ends: taken whole, or the run's first
+            offsets, mask = _stream_offsets(tile, tiles_m, M, N, BLOCK_M, BLOCK_N)
+            if whole:
+                tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            else:  # counted in after the loop (_finish_split)
+                tl.atomic_add((ws_ptr if FINISH else y_ptr) + offsets, acc, mask=mask, sem="relaxed")
+            whole = True
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    last = (end - 1) // k_steps
+    offsets, mask = _stream_offsets(last, tiles_m, M, N, BLOCK_M, BLOCK_N)
+    sharing = _sharing(last, k_steps, steps_per_program)
+    if FINISH & (sharing == 1):
+        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, mask, last, sharing, True, FINISH)
+    if FINISH & (last != first) & (start % k_steps != 0):  # the first tile, its sums added in the loop
+        offsets, mask = _stream_offsets(first, tiles_m, M, N, BLOCK_M, BLOCK_N)
+        _finish_split(ws_ptr + offsets, y_ptr + offsets, mask, counter_ptr + first,
+                      _sharing(first, k_steps, steps_per_program))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from quantship.kernels import PLAIN_ROUNDING, dependent_launch
+from quantship.kernels import PLAIN_ROUNDING, dependent_launch, sm_count
 
 
 def supports(head_dim: int, heads: int, kv_heads: int) -> bool:
@@ -67,12 +67,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.Tens
 
     s, heads, dim = q.shape
     group = heads // kv_heads
-    default_block_n, default_warps = decode_tiles(s * kv_heads, _sm_count(q.device))
+    default_block_n, default_warps = decode_tiles(s * kv_heads, sm_count(q.device))
     block_n, num_warps = block_n or default_block_n, num_warps or default_warps
     q = _unit_rows(q)
     cos, sin, interleaved = (q, q, False) if rope is None else (rope[0].contiguous(), rope[1].contiguous(), rope[2])
     out = torch.empty(s, heads, dim, dtype=q.dtype, device=q.device)
-    splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * kv_heads, _sm_count(q.device), splits)
+    splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * kv_heads, sm_count(q.device), splits)
     part, stats = _split_buffers(s * heads, splits, dim, q.device)
     paged_decode_kernel[(s, kv_heads, splits)](
         q, cos, sin, cache, key_slots, lengths, out, part, stats, q.stride(0), q.stride(1), cos.stride(0),
@@ -133,7 +133,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, key_slots: torch.
     out = torch.empty(s, heads, rank, dtype=q.dtype, device=q.device)
     block_n = mla_block_n(rank)
     head_blocks = triton.cdiv(heads, block_h)
-    splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * head_blocks, _sm_count(q.device), splits)
+    splits, keys_per_split = split_plan(key_slots.shape[1], block_n, s * head_blocks, sm_count(q.device), splits)
     part, stats = _split_buffers(s * heads, splits, rank, q.device)
     paged_mla_decode_kernel[(s, head_blocks, splits)](
         q_latent, q_rope, cos, sin, cache, key_slots, lengths, out, part, stats, q_latent.stride(0),
@@ -177,11 +177,6 @@ def split_plan(key_len: int, block_n: int, programs: int, sms: int, splits: int 
             splits = 1
     per_split = -(-blocks // splits)
     return -(-blocks // per_split), per_split * block_n
-
-
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs (4 for the CPU under Triton's interpreter: small splits get tested there too)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _split_buffers(rows: int, splits: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,10 +26,12 @@ position: the word tile is spread in registers so that each thread's operand pai
 word, dequantized two per lop3 and bf16x2 subtraction, and x's tile is permuted to the same order (as
 compiled for sm_90, about half the instructions of swap_x per K tile); from 32 rows the table gives it x
 copied to that order once per call (pair_order_x), so its tiles go from memory to the product as loaded, and
-from 16 rows its tiles of x and of the words come by TMA (tensor descriptors made per call, tma_fits). The
-small-M ones split K over several programs and add partial sums atomically (fp32), so a batch-1
-product still fills the GPU; they gather scales per word row where a tile spans quantization
-groups. Which runs for which M is a fixed table measured on an H200 and an H100
+from 16 rows its tiles of x and of the words come by TMA (tensor descriptors made per call, tma_fits); a TMA
+tile may also walk equal runs of all the call's K tiles, output tile after output tile (Blocks.stream, stream-K:
+a grid of as many programs as the GPU holds, no last part-empty wave, no pipeline refilled every few K tiles;
+a sweep candidate until a GPU has timed it). The small-M ones split K over several programs and add partial
+sums atomically (fp32), so a batch-1 product still fills the GPU; they gather scales per word row where a
+tile spans quantization groups. Which runs for which M is a fixed table measured on an H200 and an H100
 (benchmarks/kernel_wna16.py), with a GPU's own tiles for a class where its sweep beat the table's
 (DEVICE_TILES, by device name), never tuned on the request path. `tinygemm_pack` makes the same int4
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
@@ -49,7 +51,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from quantship.kernels import capability_major, dependent_launch, device_name
+from quantship.kernels import capability_major, dependent_launch, device_name, sm_count
 
 
 def words_per_column(in_features: int, bits: int) -> int:
@@ -178,6 +180,9 @@ class Blocks:
     # descriptors; wna16_swap_bf16x2_tma_kernel), where the tile's own threads compute each load's addresses and
     # masks; taken on Hopper and later (and the interpreter) where the tensors lie as TMA needs (tma_fits), else
     # the same tile loads through pointers
+    stream: int = 0  # swap_bf16x2 through TMA: 0, a grid of K splits; n, n programs per multiprocessor walking
+    # equal runs of all the call's K tiles, tile after tile (stream-K, wna16_swap_bf16x2_stream_kernel); where
+    # TMA cannot take the tensors the K split stays
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
     # compiled for sm_90 in stop 44 the 16-row swap_bf16x2 tile took 130, two more than lets four of its programs
     # share a multiprocessor (its TMA form takes 127)
@@ -327,6 +332,19 @@ def split_workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.
     _WORKSPACES[device] = (torch.zeros(sums, dtype=torch.float32, device=device),
                            torch.zeros(tiles, dtype=torch.int32, device=device))
     return _WORKSPACES[device]
+
+
+def split_outputs(x2: torch.Tensor, n: int, tiles: int, finish: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """(y, sums, counters) for a product of x2 [M, K] whose programs add partial sums of `tiles` output tiles: y in
+    x's dtype and the device's workspace where the kernel finishes them (`finish`, and the workspace is there:
+    split_workspace), else a zeroed float32 y they are added into (cast after), standing for all three."""
+    m = x2.shape[0]
+    workspace = split_workspace(x2.device, m * n, tiles) if finish else None
+    if workspace is None:
+        y = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
+        return y, y, y
+    return torch.empty((m, n), dtype=x2.dtype, device=x2.device), *workspace
 
 
 def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -486,6 +504,37 @@ def _swap_bf16x2_tma(x2: torch.Tensor, packed: torch.Tensor, blocks: Blocks, blo
     wna16_swap_bf16x2_tma_kernel[grid](x_desc, w_desc, *tail, **options, **constexprs)
 
 
+def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int,
+                 pairs_asm: bool | None) -> tuple[torch.Tensor, dict]:
+    """swap_bf16x2's x as its kernels take it (copied to the pair order where the tile asks and K is whole pair
+    blocks) and the constexprs that say how: X_PAIRED, and ASM (the bf16x2 PTX: pairs_asm, or its own check)."""
+    paired = blocks.x_paired and x2.shape[1] % 32 == 0
+    asm = pairs_in_registers(x, blocks, block_k) if pairs_asm is None else pairs_asm
+    return (pair_order_x(x2) if paired else x2), {"X_PAIRED": paired, "ASM": asm}
+
+
+def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                        group_size: int, blocks: Blocks, block_k: int, **constexprs) -> torch.Tensor:
+    """wna16_swap_bf16x2_stream_kernel: blocks.stream programs per multiprocessor (no more than there are K tiles),
+    each an equal run of the K tiles of every output tile in turn; y [M, N] in x's dtype."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from quantship.kernels._wna16_triton import wna16_swap_bf16x2_stream_kernel
+
+    m, k, n = x2.shape[0], x2.shape[1], packed.shape[1]
+    tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
+    steps = tiles * -(-k // block_k)
+    per_program = -(-steps // min(steps, blocks.stream * sm_count(x2.device)))
+    y, sums, counters = split_outputs(x2, n, tiles, finish=True)
+    wna16_swap_bf16x2_stream_kernel[(-(-steps // per_program),)](
+        TensorDescriptor.from_tensor(x2, [blocks.block_m, block_k]),
+        TensorDescriptor.from_tensor(packed, [block_k // 8, blocks.block_n]), scale, scale if zero is None else zero,
+        y, sums, counters, m, n, k, group_size, per_program, HAS_ZERO=zero is not None, FINISH=sums is not y,
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages, **constexprs)
+    return y.to(x2.dtype)
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
            in_features: int, group_size: int, blocks: Blocks | None = None, gated: bool = False,
            pairs_asm: bool | None = None) -> torch.Tensor:
@@ -514,6 +563,10 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     block_k = _block_k(blocks, k, group_size)
     if blocks.kind == "swap_bf16x2":  # whole pair blocks of 32 inputs, inside one group (_block_k)
         block_k = max(32, swap_depth(blocks, block_k, x.element_size()))
+        x2, pairs = _pair_launch(x2, x, blocks, block_k, pairs_asm)  # x as its kernels take it
+        if blocks.stream and blocks.tma and tma_fits(x2, packed):
+            y = _swap_bf16x2_stream(x2, packed, scale, zero, group_size, blocks, block_k, **pairs)
+            return y.reshape(*shape[:-1], n)
     elif blocks.kind in ("swap_dot", "swap_x"):  # 16 word rows at least (a product's depth), so 128 inputs of 4 bits
         block = 16 * (32 // bits)
         block_k = max(block, block_k // block * block)
@@ -524,13 +577,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     rows_first = blocks.rows_first and not gemv
     grid = (rows, triton.cdiv(n, blocks.block_n)) if rows_first else (triton.cdiv(n, blocks.block_n), rows)
     per_split, splits = splits_for(blocks, grid[0] * grid[1], k, block_k)
-    workspace = split_workspace(x.device, m * n, grid[0] * grid[1]) if splits > 1 and blocks.finish else None
-    if splits > 1 and workspace is None:  # partial sums added into y itself: zeroed first, cast after
-        y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    if splits > 1:
+        y, sums, counters = split_outputs(x2, n, grid[0] * grid[1], blocks.finish)
     else:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    sums, counters = workspace or (y, y)
-    common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=workspace is not None,
+        y = sums = counters = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=sums is not y,
                   BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
                   EVEN_K=k % block_k == 0, **dependent_launch(x, default_off=not gemv),
                   **({"maxnreg": blocks.max_registers} if blocks.max_registers and x.is_cuda else {}))
@@ -546,13 +597,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
-        paired = blocks.x_paired and k % 32 == 0
-        if paired:
-            args = (pair_order_x(x2), *args[1:])
-        constexprs = dict(BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first, X_PAIRED=paired,
-                          ASM=pairs_in_registers(x, blocks, block_k) if pairs_asm is None else pairs_asm)
-        if blocks.tma and tma_fits(args[0], packed):  # x and the words as descriptors, no strides
-            _swap_bf16x2_tma(args[0], packed, blocks, block_k, grid, (*outputs, group_size, per_split), common,
+        constexprs = dict(pairs, BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first)
+        if blocks.tma and tma_fits(x2, packed):  # x and the words as descriptors, no strides
+            _swap_bf16x2_tma(x2, packed, blocks, block_k, grid, (*outputs, group_size, per_split), common,
                              **constexprs)
         else:
             kernels.wna16_swap_bf16x2_kernel[grid](*args, **constexprs, **common)
