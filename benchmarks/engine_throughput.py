@@ -577,17 +577,31 @@ def words_along_k(along_k: bool | None):
         wna16.WORDS_ALONG_K = before
 
 
+# Programs a multiprocessor for the table's TMA tiles walking equal runs of all the K tiles (`quick --stream`), by M
+# class: as many as their registers let share one, as compiled for sm_90 by Triton 3.6 (stop 47): 128 at 16 rows
+# (four warps), 221 at 32, 255 at 64 and 128 (two warp groups).
+STREAM_PROGRAMS = {16: 4, 32: 2}
+
+
 @contextlib.contextmanager
-def tiles_without_tma(off: bool):
-    """Where `off`: the kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) loading without TMA
-    (Blocks.tma False), for the engines built and run inside; else the table as it is."""
+def table_variant(variant: str | None):
+    """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
+    engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "stream", its TMA
+    tiles walking equal runs of all the K tiles (Blocks.stream, STREAM_PROGRAMS a multiprocessor, else one);
+    None, the table as it is. The code's table is back after, errors included."""
     from quantship.kernels import wna16
 
+    def varied(limit, b):
+        if variant == "no_tma":
+            return replace(b, tma=False)
+        if variant == "stream" and b.tma:
+            return replace(b, stream=STREAM_PROGRAMS.get(limit, 1))
+        return b
+
     table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
-    if off:
-        wna16.BLOCKS_BY_M = [(limit, replace(b, tma=False)) for limit, b in table]
-        wna16.DEVICE_TILES = {name: {key: replace(b, tma=False) for key, b in tiles.items()}
-                              for name, tiles in own.items()}
+    if variant:
+        wna16.BLOCKS_BY_M = [(limit, varied(limit, b)) for limit, b in table]
+        wna16.DEVICE_TILES = {name: {key: varied(key[0], b) for key, b in tiles.items()} for name, tiles in own.items()}
     try:
         yield
     finally:
@@ -596,14 +610,15 @@ def tiles_without_tma(off: bool):
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
-          no_tma: bool = False) -> None:
+          no_tma: bool = False, stream: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
     (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating. `words`:
     W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N). `no_tma`:
     W4A16 also with the table's tiles loading without TMA (w4a16_no_tma: a second copy of the weights, so an
-    engine and graphs of its own), alternating."""
+    engine and graphs of its own), alternating. `stream`: the same with the table's TMA tiles walking equal runs of
+    all the K tiles (w4a16_stream, table_variant)."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -615,7 +630,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     if words:
         with words_along_k(True):
             w4_k = quantized_copy(ours)
-    w4_plain = quantized_copy(ours) if no_tma else None
+    variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("stream", stream)) if asked}
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -629,17 +644,19 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "default")}
     if words:
         sides["w4a16_words_k"] = (w4_k, None)
-    if no_tma:
-        sides["w4a16_no_tma"] = (w4_plain, None)
+    sides |= {name: (model, None) for name, model in variants.items()}
+
+    def variant(name):  # the kernel table a side runs
+        return name.removeprefix("w4a16_") if name in variants else None
 
     def timed(name, *args):
         model, on = sides[name]
-        with pdl_setting(on), tiles_without_tma(name == "w4a16_no_tma"):
+        with pdl_setting(on), table_variant(variant(name)):
             return time_engine(model, *args)
 
     def anatomy(name, batch, **kw):
         model, on = sides[name]
-        with pdl_setting(on), tiles_without_tma(name == "w4a16_no_tma"):
+        with pdl_setting(on), table_variant(variant(name)):
             return step_anatomy(model, config, batch, **kw)
 
     rows = []
@@ -661,7 +678,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             print(rows[-1], flush=True)
         ttft = {}
         for name, (model, on) in sides.items():
-            with pdl_setting(on), tiles_without_tma(name == "w4a16_no_tma"):
+            with pdl_setting(on), table_variant(variant(name)):
                 ttft[name] = time_ttft(model, None, 2048, config) | {"transformers_s": theirs}
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
@@ -860,7 +877,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
             for side, bf16_name, note in (("", "bf16", ""), ("_pdl", "bf16_pdl", ", PDL on"),
                                           ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles"),
                                           ("_words_k", "bf16", ", packed words held along K"),
-                                          ("_no_tma", "bf16", ", the tiles without TMA")):
+                                          ("_no_tma", "bf16", ", the tiles without TMA"),
+                                          ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles")):
                 w4_name, named = f"w4a16{side}", label + note
                 if "batch" in x and f"{w4_name}_tok_s" in x:
                     w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
@@ -1003,6 +1021,9 @@ def main() -> None:
                    help="also time W4A16 with its packed words held along K (w4a16_words_k), alternating")
     q.add_argument("--no-tma", action="store_true",
                    help="also time W4A16 with the table's tiles loading without TMA (w4a16_no_tma), alternating")
+    q.add_argument("--stream", action="store_true",
+                   help="also time W4A16 with the table's TMA tiles walking equal runs of all the K tiles "
+                        "(w4a16_stream, stream-K), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1025,7 +1046,7 @@ def main() -> None:
 
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
-              args.pdl, args.words, args.no_tma)
+              args.pdl, args.words, args.no_tma, args.stream)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -167,7 +167,10 @@ def candidates(m: int):
             for bk in (64, 128) for split in (2, 4, 8)] + [
             # x and the words copied by TMA (`--kinds tma`), x copied to the pair order first or permuted per tile
             Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=paired, tma=True)
-            for bk in (64, 128) for split in (2, 4) for paired in (True, False)]
+            for bk in (64, 128) for split in (2, 4) for paired in (True, False)] + [
+            # in equal runs of all the K tiles (`--kinds stream`; not yet swept)
+            Blocks("swap_bf16x2", 128, 128, 128, 2, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True,
+                   stream=per_sm) for per_sm in (1, 2)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -209,6 +212,15 @@ def candidates(m: int):
         # at 64 with two warp groups), where the copy costs 2-3 µs a call (candidates since stop 46, not yet swept)
         out += [Blocks("swap_bf16x2", rows, 128, 128, split, warps, 3, tma=True)
                 for warps in ((4, 8) if rows == 32 else (8,)) for split in (0, 2, 4)]
+    # the TMA tiles in equal runs of all the call's K tiles (Blocks.stream, `--kinds stream`): 2-4 programs a
+    # multiprocessor at 16 rows (128 registers as compiled: four fit), 1-3 from 32; the K split is the fallback
+    # where TMA cannot read the tensors (candidates since stop 47, not yet swept)
+    if m <= 16:
+        out += [Blocks("swap_bf16x2", rows, 128, 128, 8, 4, stages, tma=True, stream=per_sm)
+                for per_sm in (2, 3, 4) for stages in (3, 4)]
+    else:
+        out += [Blocks("swap_bf16x2", rows, 128, 128, 4 if rows == 32 else 0, warps, 3, x_paired=True, tma=True,
+                       stream=per_sm) for warps in ((4, 8) if rows == 32 else (8,)) for per_sm in (1, 2, 3)]
     if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
                 for split in (0, 4, 8)]
@@ -218,9 +230,10 @@ def candidates(m: int):
 
 
 def kind_of(blocks) -> str:
-    """What `--kinds` names a candidate by: its kernel, "tma" for swap_bf16x2 loading through TMA (Blocks.tma),
-    or "paired" for swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired)."""
-    return "tma" if blocks.tma else "paired" if blocks.x_paired else blocks.kind
+    """What `--kinds` names a candidate by: its kernel, "stream" for swap_bf16x2 through TMA in equal runs of all
+    the K tiles (Blocks.stream), "tma" for swap_bf16x2 loading through TMA (Blocks.tma), or "paired" for
+    swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired)."""
+    return "stream" if blocks.stream else "tma" if blocks.tma else "paired" if blocks.x_paired else blocks.kind
 
 
 def tinygemm(x, values: torch.Tensor, scale: torch.Tensor):
@@ -418,6 +431,8 @@ def _short(b) -> str:
     rows = "" if b.kind.startswith("gemv") else f"{b.block_m} rows x "
     order = ", row blocks first" if b.rows_first else ""
     cap = f", at most {b.max_registers} registers" if b.max_registers else ""
+    if b.stream:  # the K split is only its fallback
+        split = f"stream-K, {b.stream} program{'s' * (b.stream > 1)} a multiprocessor"
     return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}{order}{cap}"
 
 
@@ -804,7 +819,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--kinds", nargs="+", default=(), help="sweep only these kernels (and each M's table entry), on "
-                   "the layer's four calls: a quick look at one kernel")
+                   "the layer's four calls: a quick look at one kernel (kernel names, or tma, paired, stream: "
+                   "swap_bf16x2 loading through TMA, taking x in the pair order, walking equal runs of K tiles)")
     p.add_argument("--ms", type=int, nargs="+", default=MS, help="rows of x to time (default: all)")
     p.add_argument("--name", default="kernel_wna16", help="the result file's name (NAME.json)")
     p.add_argument("--words", choices=["k", "n"], default="n",
