@@ -240,20 +240,23 @@ def test_stream_runs_share_tiles_in_every_way_and_leave_the_workspace_clean(per_
     workspace and the tiles' counters, or, where no workspace may be grown as in CUDA-graph capture, added into
     a zeroed float32 y); over several row blocks of x and a last K tile cut short. Each equals the reference,
     runs the stream kernel (not the K split), and leaves the workspace at zero for the next call."""
-    values, scale, zero = random_quantized(72, 544, 4, 32, False, seed=per_sm)
-    packed, scale, zero = wna16.pack(values, 4).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
     streamed = []
     launch = wna16._swap_bf16x2_stream
     monkeypatch.setattr(wna16, "_swap_bf16x2_stream", lambda *a, **kw: streamed.append(a[5]) or launch(*a, **kw))
     if not finish:
         monkeypatch.setattr(wna16, "split_workspace", lambda *a: None)
-    for m in (3, 40):  # one row block, three
-        x = torch.randn(m, 544, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-        blocks = wna16.Blocks("swap_bf16x2", 16, 32, 64, 4, 4, 2, tma=True, stream=per_sm)
-        out = wna16.matmul(x, packed, scale, zero, 4, 544, 32, blocks=blocks)
-        expected = wna16.reference_matmul(x, packed, scale, zero, 4, 544, 32)
-        assert out.dtype == x.dtype and (out - expected).norm() / expected.norm() < (1e-5 if DEVICE == "cpu" else 3e-3)
-    assert streamed == [blocks, blocks]
+    blocks = wna16.Blocks("swap_bf16x2", 16, 32, 64, 4, 4, 2, tma=True, stream=per_sm)
+    # groups of 32 (tiles 32 deep, 17 of them), one group over K (tiles 64 deep, the last 36)
+    for k, group in ((544, 32), (548, 548)):
+        values, scale, zero = random_quantized(72, k, 4, group, False, seed=per_sm + k)
+        packed, scale, zero = wna16.pack(values, 4).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+        for m in (3, 40):  # one row block, three
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+            out = wna16.matmul(x, packed, scale, zero, 4, k, group, blocks=blocks)
+            expected = wna16.reference_matmul(x, packed, scale, zero, 4, k, group)
+            error = (out - expected).norm() / expected.norm()
+            assert out.dtype == x.dtype and error < (1e-5 if DEVICE == "cpu" else 3e-3), (k, m, error.item())
+    assert streamed == [blocks] * 4
     monkeypatch.undo()
     sums, counters = wna16.split_workspace(x.device, 0, 0)
     assert not sums.any() and not counters.any()
