@@ -431,7 +431,7 @@ def _short(b) -> str:
     split = {-1: "a K tile per program", 0: "K split to fill the GPU", 1: "K unsplit"}.get(b.split_k,
                                                                                        f"K split {b.split_k}")
     rows = "" if b.kind.startswith("gemv") else f"{b.block_m} rows x "
-    order = ", row blocks first" if b.rows_first else ""
+    order = ", row blocks first" if b.rows_first and not b.stream else ""  # a stream run walks them first anyway
     cap = f", at most {b.max_registers} registers" if b.max_registers else ""
     if b.stream:  # the K split is only its fallback
         split = f"stream-K, {b.stream} program{'s' * (b.stream > 1)} a multiprocessor"

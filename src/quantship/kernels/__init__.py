@@ -47,10 +47,16 @@ def device_name(x: torch.Tensor) -> str | None:
     return _gpu(x)[1] if x.is_cuda else None
 
 
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
 def sm_count(device: torch.device) -> int:
     """The device's multiprocessors (4 for the CPU under Triton's interpreter: grids sized by it get tested
-    there at small sizes too)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    there at small sizes too), asked once per device: launches size their grids by it on every eager call."""
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 4
+    return _SM_COUNTS[device]
 
 
 def pdl_asked(default_off: bool = False) -> bool:

@@ -555,9 +555,15 @@ def _start_swap(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, PDL: tl
 def _store_swap(acc, y_ptr, ws_ptr, counter_ptr, offs_m, offs_n, m_ok, N, K, k_per_split, ATOMIC: tl.constexpr,
                 FINISH: tl.constexpr):
     """y^T's tile [BN, BM] into y [M, N] (_store_tile)."""
-    offsets = offs_m[None, :] * N + offs_n[:, None]
-    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, m_ok[None, :] & (offs_n[:, None] < N),
-                tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.cdiv(K, k_per_split), ATOMIC, FINISH)
+    offsets, mask = _y_tile(offs_m, offs_n, m_ok, N)
+    _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, mask, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                tl.cdiv(K, k_per_split), ATOMIC, FINISH)
+
+
+@triton.jit
+def _y_tile(offs_m, offs_n, m_ok, N):
+    """The offsets into y [M, N] of a swap tile's outputs as it holds them ([BN, BM]: y^T), and their mask."""
+    return offs_m[None, :] * N + offs_n[:, None], m_ok[None, :] & (offs_n[:, None] < N)
 
 
 @triton.jit
@@ -829,10 +835,9 @@ def _sharing(tile, k_steps, steps_per_program):
 
 @triton.jit
 def _stream_offsets(tile, tiles_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """An output tile's offsets into y [M, N] as the swap tiles hold it ([BN, BM]), and their mask."""
+    """Output tile `tile`'s offsets into y [M, N] and their mask (_y_tile), the tiles numbered row blocks first."""
     offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return offs_m[None, :] * N + offs_n[:, None], (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    return _y_tile(offs_m, (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N), offs_m < M, N)
 
 
 @triton.jit

@@ -494,14 +494,18 @@ def _swap_bf16x2_tma(x2: torch.Tensor, packed: torch.Tensor, blocks: Blocks, blo
     """Launches wna16_swap_bf16x2_tma_kernel: tensor descriptors for x's [BM, BK] tiles and the words'
     [BK/8, BN] tiles (TMA reads zeros past either tensor's edge), then `tail` (scales to the split's K range)
     and the launch options as the pointer tile takes them, but the loads' (EVEN_K, PDL)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from quantship.kernels._wna16_triton import wna16_swap_bf16x2_tma_kernel
 
-    x_desc = TensorDescriptor.from_tensor(x2, [blocks.block_m, block_k])
-    w_desc = TensorDescriptor.from_tensor(packed, [block_k // 8, blocks.block_n])
     options = {key: value for key, value in common.items() if key not in ("EVEN_K", "PDL", "launch_pdl")}
-    wna16_swap_bf16x2_tma_kernel[grid](x_desc, w_desc, *tail, **options, **constexprs)
+    wna16_swap_bf16x2_tma_kernel[grid](*_tile_descriptors(x2, packed, blocks, block_k), *tail, **options, **constexprs)
+
+
+def _tile_descriptors(x2: torch.Tensor, packed: torch.Tensor, blocks: Blocks, block_k: int) -> tuple:
+    """The TMA tiles' tensor descriptors: x's [BM, BK] tiles and the words' [BK/8, BN] (zeros past either edge)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(x2, [blocks.block_m, block_k]),
+            TensorDescriptor.from_tensor(packed, [block_k // 8, blocks.block_n]))
 
 
 def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int,
@@ -517,8 +521,6 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
                         group_size: int, blocks: Blocks, block_k: int, **constexprs) -> torch.Tensor:
     """wna16_swap_bf16x2_stream_kernel: blocks.stream programs per multiprocessor (no more than there are K tiles),
     each an equal run of the K tiles of every output tile in turn; y [M, N] in x's dtype."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from quantship.kernels._wna16_triton import wna16_swap_bf16x2_stream_kernel
 
     m, k, n = x2.shape[0], x2.shape[1], packed.shape[1]
@@ -527,9 +529,8 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     per_program = -(-steps // min(steps, blocks.stream * sm_count(x2.device)))
     y, sums, counters = split_outputs(x2, n, tiles, finish=True)
     wna16_swap_bf16x2_stream_kernel[(-(-steps // per_program),)](
-        TensorDescriptor.from_tensor(x2, [blocks.block_m, block_k]),
-        TensorDescriptor.from_tensor(packed, [block_k // 8, blocks.block_n]), scale, scale if zero is None else zero,
-        y, sums, counters, m, n, k, group_size, per_program, HAS_ZERO=zero is not None, FINISH=sums is not y,
+        *_tile_descriptors(x2, packed, blocks, block_k), scale, scale if zero is None else zero, y, sums, counters,
+        m, n, k, group_size, per_program, HAS_ZERO=zero is not None, FINISH=sums is not y,
         BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps,
         num_stages=blocks.num_stages, **constexprs)
     return y.to(x2.dtype)
