@@ -577,31 +577,25 @@ def words_along_k(along_k: bool | None):
         wna16.WORDS_ALONG_K = before
 
 
-# Programs a multiprocessor for the table's TMA tiles walking equal runs of all the K tiles (`quick --stream`), by M
-# class: as many as their registers let share one, as compiled for sm_90 by Triton 3.6 (stop 47): 128 at 16 rows
-# (four warps), 221 at 32, 255 at 64 and 128 (two warp groups).
-STREAM_PROGRAMS = {16: 4, 32: 2}
-
-
 @contextlib.contextmanager
 def table_variant(variant: str | None):
     """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
-    engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "stream", its TMA
-    tiles walking equal runs of all the K tiles (Blocks.stream, STREAM_PROGRAMS a multiprocessor, else one);
-    None, the table as it is. The code's table is back after, errors included."""
+    engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "no_stream", its
+    stream-K tiles splitting K in equal parts instead (Blocks.stream 0, each tile's split_k as adopted); None,
+    the table as it is. The code's table is back after, errors included."""
     from quantship.kernels import wna16
 
-    def varied(limit, b):
+    def varied(b):
         if variant == "no_tma":
             return replace(b, tma=False)
-        if variant == "stream" and b.tma:
-            return replace(b, stream=STREAM_PROGRAMS.get(limit, 1))
+        if variant == "no_stream":
+            return replace(b, stream=0)
         return b
 
     table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
     if variant:
-        wna16.BLOCKS_BY_M = [(limit, varied(limit, b)) for limit, b in table]
-        wna16.DEVICE_TILES = {name: {key: varied(key[0], b) for key, b in tiles.items()} for name, tiles in own.items()}
+        wna16.BLOCKS_BY_M = [(limit, varied(b)) for limit, b in table]
+        wna16.DEVICE_TILES = {name: {key: varied(b) for key, b in tiles.items()} for name, tiles in own.items()}
     try:
         yield
     finally:
@@ -610,15 +604,15 @@ def table_variant(variant: str | None):
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
-          no_tma: bool = False, stream: bool = False) -> None:
+          no_tma: bool = False, no_stream: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
     (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating. `words`:
     W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N). `no_tma`:
     W4A16 also with the table's tiles loading without TMA (w4a16_no_tma: a second copy of the weights, so an
-    engine and graphs of its own), alternating. `stream`: the same with the table's TMA tiles walking equal runs of
-    all the K tiles (w4a16_stream, table_variant)."""
+    engine and graphs of its own), alternating. `no_stream`: the same with the table's stream-K tiles splitting K
+    instead (w4a16_no_stream, table_variant)."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -630,7 +624,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     if words:
         with words_along_k(True):
             w4_k = quantized_copy(ours)
-    variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("stream", stream)) if asked}
+    variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("no_stream", no_stream)) if asked}
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -878,7 +872,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
                                           ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles"),
                                           ("_words_k", "bf16", ", packed words held along K"),
                                           ("_no_tma", "bf16", ", the tiles without TMA"),
-                                          ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles")):
+                                          ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles"),
+                                          ("_no_stream", "bf16", ", the stream-K tiles splitting K instead")):
                 w4_name, named = f"w4a16{side}", label + note
                 if "batch" in x and f"{w4_name}_tok_s" in x:
                     w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
@@ -1021,9 +1016,9 @@ def main() -> None:
                    help="also time W4A16 with its packed words held along K (w4a16_words_k), alternating")
     q.add_argument("--no-tma", action="store_true",
                    help="also time W4A16 with the table's tiles loading without TMA (w4a16_no_tma), alternating")
-    q.add_argument("--stream", action="store_true",
-                   help="also time W4A16 with the table's TMA tiles walking equal runs of all the K tiles "
-                        "(w4a16_stream, stream-K), alternating")
+    q.add_argument("--no-stream", action="store_true",
+                   help="also time W4A16 with the table's stream-K tiles splitting K instead "
+                        "(w4a16_no_stream), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1046,7 +1041,7 @@ def main() -> None:
 
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
-              args.pdl, args.words, args.no_tma, args.stream)
+              args.pdl, args.words, args.no_tma, args.no_stream)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -138,7 +138,8 @@ def candidates(m: int):
                                                                                    (512, 4), (1024, 4))
                 for bk in (64, 128)]
         # 256 inputs a program: twice the words in flight per thread, half the partial sums added atomically
-        # (candidates since stop 46, not yet swept: no machine came after they were written)
+        # (swept in stop 48, kernel_wna16_gemv_deep: none led; 512x128 tiles did, 6% ahead of the table's in the
+        # kernel run, which the engine did not show in stop 44)
         out += [Blocks("gemv_bf16x2", 1, bn, 256, -1, warps, 1) for bn, warps in ((128, 2), (128, 4), (256, 4),
                                                                                    (256, 8), (512, 8))]
         # (a few K tiles per program, K split 8 or 16, pipelined or not, were swept once, kernel_wna16_gemv_splits:
@@ -168,9 +169,9 @@ def candidates(m: int):
             # x and the words copied by TMA (`--kinds tma`), x copied to the pair order first or permuted per tile
             Blocks("swap_bf16x2", 128, 128, bk, split, 8, 3, finish=False, rows_first=True, x_paired=paired, tma=True)
             for bk in (64, 128) for split in (2, 4) for paired in (True, False)] + [
-            # in equal runs of all the K tiles (`--kinds stream`; not yet swept)
-            Blocks("swap_bf16x2", 128, 128, 128, 2, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True,
-                   stream=per_sm) for per_sm in (1, 2)]
+            # in equal runs of all the K tiles (`--kinds stream`; stop 48: one a multiprocessor, 13% ahead of K split)
+            Blocks("swap_bf16x2", 128, 128, 128, 2, 8, 3, finish=False, rows_first=True, x_paired=paired, tma=True,
+                   stream=per_sm) for per_sm in (1, 2) for paired in (True, False)]
     rows = 16 if m <= 16 else 32 if m <= 32 else 64
     # 0: as many splits as fill the GPU for this N (wna16.splits_for), 1: none (no atomics)
     splits = (0, 1, 4, 8) if m <= 16 else (0, 1, 2, 4)
@@ -209,20 +210,26 @@ def candidates(m: int):
                 for warps, bk in ((4, 128), (8, 128), (8, 64)) for split in (0, 2, 4) for stages in (3, 4)]
         # x permuted per tile in the kernel, no copy per call: through TMA the compiled loop is about as long as
         # the paired tile's (Triton 3.6, sm_90: 385 against 384 instructions a K tile at 32 rows, 284 against 278
-        # at 64 with two warp groups), where the copy costs 2-3 µs a call (candidates since stop 46, not yet swept)
+        # at 64 with two warp groups), where the copy costs 2-3 µs a call (stop 48: at 32 rows 8% ahead of the paired tile, adopted)
         out += [Blocks("swap_bf16x2", rows, 128, 128, split, warps, 3, tma=True)
                 for warps in ((4, 8) if rows == 32 else (8,)) for split in (0, 2, 4)]
     # the TMA tiles in equal runs of all the call's K tiles (Blocks.stream, `--kinds stream`): 2-4 programs a
     # multiprocessor at 16 rows (128 registers as compiled: four fit), 1-3 from 32; the K split is the fallback
-    # where TMA cannot read the tensors (candidates since stop 47, not yet swept). Fewer programs walk longer runs
+    # where TMA cannot read the tensors (stop 48: 3 a multiprocessor won at 16 rows, 2 at 32 and 64). Fewer programs walk longer runs
     # (a 6.7B layer's calls at 16 rows on 132 multiprocessors: 4-21 K tiles a run at 2, 2-11 at 4, where the
     # table's K split 8 walks 4 for three of them), with deeper pipelines to keep as many bytes in flight
     if m <= 16:
         out += [Blocks("swap_bf16x2", rows, 128, 128, 8, 4, stages, tma=True, stream=per_sm)
                 for per_sm, stages in ((2, 3), (2, 4), (2, 6), (3, 3), (3, 4), (4, 3), (4, 4))]
+        # a second look around stop 48's winner (3 a multiprocessor, 3 stages): 64 outputs a tile (twice the
+        # tiles, so shorter runs over each), 256-deep K tiles (twice the words a copy), 5 stages
+        out += [Blocks("swap_bf16x2", rows, bn, bk, 8, 4, stages, tma=True, stream=per_sm)
+                for bn, bk, stages, per_sm in ((64, 128, 3, 3), (64, 128, 3, 4), (64, 128, 4, 4), (128, 256, 3, 2),
+                                               (128, 256, 3, 3), (128, 128, 5, 3))]
     else:
-        out += [Blocks("swap_bf16x2", rows, 128, 128, 4 if rows == 32 else 0, warps, 3, x_paired=True, tma=True,
-                       stream=per_sm) for warps in ((4, 8) if rows == 32 else (8,)) for per_sm in (1, 2, 3)]
+        out += [Blocks("swap_bf16x2", rows, 128, 128, 4 if rows == 32 else 0, warps, 3, x_paired=paired, tma=True,
+                       stream=per_sm) for warps in ((4, 8) if rows == 32 else (8,)) for per_sm in (1, 2, 3)
+                for paired in (True, False)]
     if m <= 16:  # the 16-row tiles held to 128 registers (130 as compiled): four programs a multiprocessor, not three
         out += [Blocks("swap_bf16x2", rows, 128, bk, split, 4, 3, max_registers=128) for bk in (128, 256)
                 for split in (0, 4, 8)]
@@ -708,7 +715,8 @@ def adopted_table(r: dict, current: list | None = None):
     calls (at one row also the fastest float32 GEMV, for what the bf16x2 PTX cannot take), the fastest
     dequantize + cuBLAS for M past the last; and the most rows for which tinygemm beat them all (from one
     row up; 0: never). A class of the `current` table (kernels/wna16.py's) whose M the run did not sweep
-    (--ms) keeps its tiles: a sweep of some rows says nothing about the others."""
+    (--ms) keeps its tiles: a sweep of some rows says nothing about the others. Classes past the last swept M
+    go to dequantize + cuBLAS only where it won that M."""
     from quantship.kernels.wna16 import BLOCKS_BY_M, choose_blocks
 
     current = BLOCKS_BY_M if current is None else current
@@ -720,8 +728,12 @@ def adopted_table(r: dict, current: list | None = None):
     def fastest(m, kind, default):  # a sweep of some kernels only (--kinds) keeps the table's entry for the rest
         return next((b for b, _ in ranking.get(m, []) if b.kind == kind), default)
 
+    last = max(ranking)
+    # past the last swept M the table dequantizes if the sweep got there (dequantize + cuBLAS won its last M);
+    # where it stopped short of it (--ms 16 32), the classes above are the table's, unswept
+    reached = ranking[last][0][0].kind == "dequantize"
     unswept = [(limit, b) for limit, b in current if limit is not None and limit not in ranking
-               and limit < max(ranking)]
+               and (limit < last or not reached)]
     table = []
     for m in sorted({*ranking, *(limit for limit, _ in unswept)}):
         if m not in ranking:  # every entry of that limit (one row has a bf16x2 and a float32 GEMV)
@@ -730,7 +742,7 @@ def adopted_table(r: dict, current: list | None = None):
         table.append((m, canonical(ranking[m][0][0])))
         if m == 1:
             table.append((1, fastest(1, "gemv", choose_blocks(1, bf16x2=False))))
-    table.append((None, canonical(fastest(max(ranking), "dequantize", BLOCKS_BY_M[-1][1]))))
+    table.append((None, canonical(fastest(last, "dequantize", current[-1][1])) if reached else current[-1][1]))
     merged = []  # consecutive M classes with the same tiles are one entry, the larger limit
     for limit, b in table:
         if merged and merged[-1][1] == b and merged[-1][0] is not None and b.kind != "gemv":

@@ -55,24 +55,24 @@ def test_the_kernels_a_run_took_are_read_from_the_table_it_recorded():
         "section below)")
 
 
-def test_no_tma_and_stream_sides_vary_the_tables_tiles_and_put_them_back():
+def test_no_tma_and_no_stream_sides_vary_the_tables_tiles_and_put_them_back():
     """`quick --no-tma`: inside, every tile of the table and of the GPUs' own tiles loads without TMA (the
-    engines built there capture graphs with those); `quick --stream`: the TMA tiles walk equal runs of all the K
-    tiles, the others stay as they are; after, the table is the code's again, also after an error."""
+    engines built there capture graphs with those); `quick --no-stream`: the stream-K tiles split K as adopted
+    instead, the others stay as they are; after, the table is the code's again, also after an error."""
     from quantship.kernels import wna16
 
     table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
-    assert any(b.tma for _, b in table) and not any(b.stream for _, b in table)
+    assert any(b.tma for _, b in table) and any(b.stream for _, b in table)
     with engine_throughput.table_variant("no_tma"):
         assert not any(b.tma for _, b in wna16.BLOCKS_BY_M)
         assert not any(b.tma for tiles in wna16.DEVICE_TILES.values() for b in tiles.values())
         assert [(limit, b.kind, b.block_m) for limit, b in wna16.BLOCKS_BY_M] == \
             [(limit, b.kind, b.block_m) for limit, b in table]
     assert wna16.BLOCKS_BY_M is table and wna16.DEVICE_TILES is own
-    with engine_throughput.table_variant("stream"):
-        for (limit, b), (_, before) in zip(wna16.BLOCKS_BY_M, table):
-            assert b == (replace(before, stream=engine_throughput.STREAM_PROGRAMS.get(limit, 1)) if before.tma else before)
-        assert wna16.choose_blocks(16).stream == 4 and wna16.choose_blocks(1).stream == 0
+    with engine_throughput.table_variant("no_stream"):
+        for (_, b), (_, before) in zip(wna16.BLOCKS_BY_M, table):
+            assert b == replace(before, stream=0)
+        assert wna16.choose_blocks(16) == replace(dict(table)[16], stream=0)
     assert wna16.BLOCKS_BY_M is table
     with pytest.raises(RuntimeError), engine_throughput.table_variant("no_tma"):
         raise RuntimeError("a side failed")

@@ -3,7 +3,7 @@ into kernels/wna16.py's table, written as the code's own source. No GPU: the ran
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +68,21 @@ def test_a_sweep_of_some_rows_keeps_the_tables_classes_it_did_not_sweep():
     table, _ = kernel_wna16.adopted_table(r, current=current)
     assert table == [(1, GEMV), (1, FLOAT_GEMV), (16, SWAP), (32, at_32), (64, at_64), (128, WHOLE),
                      (None, WIDE)]
+
+
+def test_a_sweep_stopping_short_of_dequantizing_keeps_the_classes_above_it():
+    """A sweep of the swap tiles at 16 and 32 rows only (--kinds stream --ms 16 32): its winners take those
+    classes, and the 64-row class and the dequantize fallback past it stay the table's (it timed nothing
+    there); adopting a later sweep of 64 rows then replaces that class alone."""
+    at_32, at_64 = Blocks("swap_x", 32, 64, 128, 4, 4, 3), Blocks("swap_dot", 64, 128, 128, 4, 4, 4)
+    stream_16, stream_32 = replace(SWAP, stream=3), replace(at_32, stream=2)
+    current = [(1, GEMV), (16, SWAP), (32, at_32), (64, at_64), (None, WIDE)]
+    r = ranking(**{"16": [(stream_16, 1.0), (SWAP, 1.1)], "32": [(stream_32, 1.0), (at_32, 1.1)]})
+    table, _ = kernel_wna16.adopted_table(r, current=current)
+    assert table == [(1, GEMV), (16, stream_16), (32, stream_32), (64, at_64), (None, WIDE)]
+    later = replace(at_64, stream=2)
+    table, _ = kernel_wna16.adopted_table(ranking(**{"64": [(later, 1.0), (at_64, 1.1)]}), current=table)
+    assert table == [(1, GEMV), (16, stream_16), (32, stream_32), (64, later), (None, WIDE)]
 
 
 def test_a_row_blocks_first_swap_tile_winning_a_short_prompt_is_adopted_before_dequantizing(monkeypatch):

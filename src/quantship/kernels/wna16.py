@@ -208,11 +208,10 @@ GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per progra
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
-    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True)),
-    (32, Blocks("swap_bf16x2", 32, 128, 128, 4, 4, 3, x_paired=True, tma=True)),
-    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 8, 3, x_paired=True, tma=True)),
-    (128, Blocks("swap_bf16x2", 128, 128, 128, 4, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True)),
-    (256, Blocks("swap_bf16x2", 128, 128, 128, 2, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True)),
+    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True, stream=3)),
+    (32, Blocks("swap_bf16x2", 32, 128, 128, 4, 4, 3, tma=True)),
+    (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 8, 3, x_paired=True, tma=True, stream=2)),
+    (256, Blocks("swap_bf16x2", 128, 128, 128, 2, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True, stream=1)),
     (None, Blocks("dequantize", 0, 256, 64, 1, 4, 1)),
 ]
 
