@@ -762,7 +762,14 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 46: swap_bf16x2 loading through TMA from 16 to 128 rows, beside the same tiles without TMA "
+    "": {"H100, stop 48: the stream-K tiles adopted from 16 to 256 rows (32 rows then paired in stream form; "
+         "the unpaired split-K tile that replaced it came after this run), beside the same table splitting K "
+         "(`quick --no-stream`, alternating)": "_stop48_adopted",
+         "H100, stop 48, the same machine: profiled (`quick --batches 1 16 --profile`)": "_stop48_profile",
+         "H100, stop 48, the same machine, before adopting: the TMA tiles in stream form by registers (4 programs a "
+         "multiprocessor at 16 rows, 2 at 32, 1 elsewhere; `quick --stream`, gone) beside the K split; the sweep "
+         "later found 4 a multiprocessor the slowest at 16 rows": "_stop48_stream",
+         "H100, stop 46: swap_bf16x2 loading through TMA from 16 to 128 rows, beside the same tiles without TMA "
          "(`quick --no-tma`, alternating; at 64 rows the adopted TMA tile has two warp groups, so the one without "
          "TMA is not stop 45's tile)": "_stop46_no_tma",
          "H100, stop 46: swap_bf16x2 loading through TMA, a run before the one above": "_stop46_tma",

@@ -210,14 +210,16 @@ def candidates(m: int):
                 for warps, bk in ((4, 128), (8, 128), (8, 64)) for split in (0, 2, 4) for stages in (3, 4)]
         # x permuted per tile in the kernel, no copy per call: through TMA the compiled loop is about as long as
         # the paired tile's (Triton 3.6, sm_90: 385 against 384 instructions a K tile at 32 rows, 284 against 278
-        # at 64 with two warp groups), where the copy costs 2-3 µs a call (stop 48: at 32 rows 8% ahead of the paired tile, adopted)
+        # at 64 with two warp groups), where the copy costs 2-3 µs a call (stop 48: at 32 rows 8% ahead of the
+        # paired tile, adopted)
         out += [Blocks("swap_bf16x2", rows, 128, 128, split, warps, 3, tma=True)
                 for warps in ((4, 8) if rows == 32 else (8,)) for split in (0, 2, 4)]
     # the TMA tiles in equal runs of all the call's K tiles (Blocks.stream, `--kinds stream`): 2-4 programs a
     # multiprocessor at 16 rows (128 registers as compiled: four fit), 1-3 from 32; the K split is the fallback
-    # where TMA cannot read the tensors (stop 48: 3 a multiprocessor won at 16 rows, 2 at 32 and 64). Fewer programs walk longer runs
-    # (a 6.7B layer's calls at 16 rows on 132 multiprocessors: 4-21 K tiles a run at 2, 2-11 at 4, where the
-    # table's K split 8 walks 4 for three of them), with deeper pipelines to keep as many bytes in flight
+    # where TMA cannot read the tensors (stop 48: 3 a multiprocessor won at 16 rows, 2 at 32 and 64). Fewer
+    # programs walk longer runs (a 6.7B layer's calls at 16 rows on 132 multiprocessors: 4-21 K tiles a run at
+    # 2, 2-11 at 4, where K split 8 walks 4 for three of them), with deeper pipelines to keep as many bytes in
+    # flight
     if m <= 16:
         out += [Blocks("swap_bf16x2", rows, 128, 128, 8, 4, stages, tma=True, stream=per_sm)
                 for per_sm, stages in ((2, 3), (2, 4), (2, 6), (3, 3), (3, 4), (4, 3), (4, 4))]
@@ -577,6 +579,25 @@ PARTIAL_SWEEPS = {
                             "step was the same with them (2.176 against 2.174 ms, one machine, one run each), so "
                             "the H100 keeps the table's: the sweep's margin lets `adopt --device` take tiles, the "
                             "engine decides whether they go in",
+    "kernel_wna16_stream_16_32": "`swap_bf16x2` through TMA in equal runs of all the K tiles (stream-K, `--kinds "
+                                 "stream`, 2-4 programs a multiprocessor, 3-6 stages) at 16 and 32 rows beside the "
+                                 "table's K split (stop 48, H100): 3 programs a multiprocessor with 3 stages took "
+                                 "65.0 µs a layer at 16 rows against 68.7, 2 took 86.2 against 90.2 at 32; 4 a "
+                                 "multiprocessor, as many as the registers let share one, ran 83.3 (runs of 2-11 K "
+                                 "tiles are too short); adopted",
+    "kernel_wna16_stream_64_256": "the stream-K tiles at 64, 128 and 256 rows (stop 48, H100, the same machine): 2 "
+                                  "programs a multiprocessor 111.8 against 113.5 µs a layer at 64 rows (within "
+                                  "noise, adopted as the sweep's fastest), one 170.3 against 194.9 at 128 and 275.7 "
+                                  "against 322.3 at 256 (a run over both row blocks of a weight tile); adopted, one "
+                                  "class from 65 to 256 rows",
+    "kernel_wna16_tma_unpaired": "the TMA tiles taking x as it is, permuted per tile in the kernel (no pair-order "
+                                 "copy per call; candidates since stop 46) at 32-256 rows beside the stream-K table "
+                                 "(stop 48, H100): at 32 rows 80.4 against 87.0 µs a layer for the adopted paired "
+                                 "stream tile, adopted (K split 4); at 64 rows and up the paired stream tiles led",
+    "kernel_wna16_gemv_deep": "the one-row GEMV 256 inputs deep (twice the words in flight a thread, half the "
+                              "partial sums added; candidates since stop 46) beside the other one-row tiles (stop "
+                              "48, H100): none led; 512x128 ran fastest again, 49.3 against 52.4 µs a layer for the "
+                              "table's 256x128, as in stop 44 whose engine run showed no gain from it, so not taken",
 }
 
 
