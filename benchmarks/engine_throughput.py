@@ -767,7 +767,10 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 48: the stream-K tiles adopted from 16 to 256 rows (32 rows then paired in stream form; "
+    "": {"H100, stop 48, another machine: the one-row GEMV over 512 outputs a program (`quick --wide-gemv`, since "
+         "adopted as the H100's own) and the stream-K tiles splitting K (`--no-stream`) beside the table, "
+         "alternating (the 32-row tile unpaired, splitting K)": "_stop48_second",
+         "H100, stop 48: the stream-K tiles adopted from 16 to 256 rows (32 rows then paired in stream form; "
          "the unpaired split-K tile that replaced it came after this run), beside the same table splitting K "
          "(`quick --no-stream`, alternating)": "_stop48_adopted",
          "H100, stop 48, the same machine: profiled (`quick --batches 1 16 --profile`)": "_stop48_profile",

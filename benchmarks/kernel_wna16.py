@@ -138,8 +138,8 @@ def candidates(m: int):
                                                                                    (512, 4), (1024, 4))
                 for bk in (64, 128)]
         # 256 inputs a program: twice the words in flight per thread, half the partial sums added atomically
-        # (swept in stop 48, kernel_wna16_gemv_deep: none led; 512x128 tiles did, 6% ahead of the table's in the
-        # kernel run, which the engine did not show in stop 44)
+        # (swept in stop 48, kernel_wna16_gemv_deep: none led; 512x128 tiles did, 6% ahead of the table's, and
+        # 2-3% a batch-1 step in the engine: the H100's own tiles now)
         out += [Blocks("gemv_bf16x2", 1, bn, 256, -1, warps, 1) for bn, warps in ((128, 2), (128, 4), (256, 4),
                                                                                    (256, 8), (512, 8))]
         # (a few K tiles per program, K split 8 or 16, pipelined or not, were swept once, kernel_wna16_gemv_splits:
@@ -597,7 +597,14 @@ PARTIAL_SWEEPS = {
     "kernel_wna16_gemv_deep": "the one-row GEMV 256 inputs deep (twice the words in flight a thread, half the "
                               "partial sums added; candidates since stop 46) beside the other one-row tiles (stop "
                               "48, H100): none led; 512x128 ran fastest again, 49.3 against 52.4 µs a layer for the "
-                              "table's 256x128, as in stop 44 whose engine run showed no gain from it, so not taken",
+                              "table's 256x128; an engine run alternating both (`quick --wide-gemv`) then took the "
+                              "batch-1 step 2.154 ms against 2.228 and 2.177 for two sides running the table's, so "
+                              "the H100 takes it as its own (`adopt --device`)",
+    "kernel_wna16_stream_second": "a second look at the stream-K tiles (stop 48, H100, after adopting them): at 16 "
+                                  "rows 64 outputs a tile, 256 deep, 5 stages; from 32 rows x unpaired: none led by "
+                                  "more than noise (16 rows the adopted tile first, 65.0 µs a layer; 32 rows unpaired "
+                                  "in stream form 80.7 against 81.9 for the adopted K split; 64 rows 108.8-108.9 for "
+                                  "the adopted tile), so the table stays",
 }
 
 

@@ -240,6 +240,9 @@ DEVICE_TILES: dict[str, dict[tuple[int | None, str], Blocks]] = {
     "NVIDIA H200": {
         (1, "gemv_bf16x2"): Blocks("gemv_bf16x2", 1, 512, 64, -1, 4, 1),
     },
+    "NVIDIA H100 80GB HBM3": {
+        (1, "gemv_bf16x2"): Blocks("gemv_bf16x2", 1, 512, 128, -1, 4, 1),
+    },
 }
 
 
