@@ -842,9 +842,10 @@ def _stream_offsets(tile, tiles_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, group_size,
-                                    steps_per_program, HAS_ZERO: tl.constexpr, FINISH: tl.constexpr,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    ASM: tl.constexpr, X_PAIRED: tl.constexpr):
+                                    steps_per_program, w_ptr, stride_wk, stride_wn, HAS_ZERO: tl.constexpr,
+                                    FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_PAIRED: tl.constexpr,
+                                    PDL: tl.constexpr):
     """wna16_swap_bf16x2_tma_kernel over an even share of all the call's K tiles (stream-K): the K steps of every
     output tile (row blocks of x first, as ROWS_FIRST), laid end to end, go to the programs in equal runs of
     steps_per_program, one loop over the run; the grid is as many programs as the GPU holds at once, so no last
@@ -852,7 +853,9 @@ def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr,
     where a K split's program waits for its first copies every few K tiles. A tile the run takes whole is stored
     inside the loop; the tiles it shares with other runs (its first and its last at most) are added to theirs
     after it (_finish_split), as the workspace's counter needs a barrier that would keep Triton from pipelining the
-    loop (as compiled for sm_90: one buffer, the copies waited for in every step)."""
+    loop (as compiled for sm_90: one buffer, the copies waited for in every step). Under PDL (w_ptr and its strides,
+    the words the descriptor reads) its first K tile's words are prefetched into L2 before the wait (_start_swap):
+    its programs are all resident from the start, so releasing the next kernel early takes no room from them."""
     k_steps = tl.cdiv(K, BLOCK_K)
     tiles_m = tl.cdiv(M, BLOCK_M)
     start = tl.program_id(0) * steps_per_program
@@ -864,6 +867,8 @@ def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr,
     m_blk = first % tiles_m
     n_blk = first // tiles_m
     whole = kk == 0  # this run took the current tile from its first K step
+    _start_swap(w_ptr, kk * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8), n_blk * BLOCK_N + tl.arange(0, BLOCK_N),
+                tl.cdiv(K, 8), N, stride_wk, stride_wn, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     scale, base = _column_scale(s_ptr, z_ptr, kk * BLOCK_K // group_size, groups, n_blk * BLOCK_N + tl.arange(0, BLOCK_N),
                                 N, HAS_ZERO)

@@ -39,7 +39,8 @@ copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
 Under programmatic dependent launch (kernels.dependent_launch: the GEMVs by default, the swap tiles and
 the dequantize pass with QUANTSHIP_PDL=1) the GEMVs load their first K tile's words and scales before
-waiting for the kernel before, the swap tiles prefetch their first tile's words into L2, and the
+waiting for the kernel before, the swap tiles (the stream-K form too; the TMA tile splitting K launches
+without it) prefetch their first tile's words into L2, and the
 dequantize pass waits only before its stores: weights are never written during a step, x and the
 outputs may be.
 """
@@ -532,9 +533,10 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     y, sums, counters = split_outputs(x2, n, tiles, finish=True)
     wna16_swap_bf16x2_stream_kernel[(-(-steps // per_program),)](
         *_tile_descriptors(x2, packed, blocks, block_k), scale, scale if zero is None else zero, y, sums, counters,
-        m, n, k, group_size, per_program, HAS_ZERO=zero is not None, FINISH=sums is not y,
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k, num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages, **constexprs)
+        m, n, k, group_size, per_program, packed, packed.stride(0), packed.stride(1), HAS_ZERO=zero is not None,
+        FINISH=sums is not y, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages, **dependent_launch(x2, default_off=True),
+        **constexprs)
     return y.to(x2.dtype)
 
 
