@@ -1037,7 +1037,8 @@ def main() -> None:
                         "(w4a16_no_stream), alternating")
     q.add_argument("--wide-gemv", action="store_true",
                    help="also time W4A16 with the one-row GEMV over 512 outputs a program, the H100 sweeps' fastest "
-                        "(w4a16_wide_gemv), alternating")
+                        "(w4a16_wide_gemv), alternating; the same as the table's on a GPU whose own GEMV is 512 wide "
+                        "already (the H100 and the H200 since stop 48)")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
