@@ -582,8 +582,9 @@ def table_variant(variant: str | None):
     """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
     engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "no_stream", its
     stream-K tiles splitting K in equal parts instead (Blocks.stream 0, each tile's split_k as adopted);
-    "wide_gemv", the one-row bf16x2 GEMV over 512 outputs a program (the H100 sweeps' fastest, stops 44 and 48);
-    None, the table as it is. The code's table is back after, errors included."""
+    "shared_table", the table every GPU shares, without this GPU's own tiles (DEVICE_TILES empty: what
+    `adopt --device` gained, alternating, where --table-only runs a whole quick run so); None, the table as it
+    is. The code's table is back after, errors included."""
     from quantship.kernels import wna16
 
     def varied(b):
@@ -591,12 +592,12 @@ def table_variant(variant: str | None):
             return replace(b, tma=False)
         if variant == "no_stream":
             return replace(b, stream=0)
-        if variant == "wide_gemv" and b.kind == "gemv_bf16x2":
-            return replace(b, block_n=512)
         return b
 
     table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
-    if variant:
+    if variant == "shared_table":
+        wna16.DEVICE_TILES = {}
+    elif variant:
         wna16.BLOCKS_BY_M = [(limit, varied(b)) for limit, b in table]
         wna16.DEVICE_TILES = {name: {key: varied(b) for key, b in tiles.items()} for name, tiles in own.items()}
     try:
@@ -607,7 +608,7 @@ def table_variant(variant: str | None):
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
-          no_tma: bool = False, no_stream: bool = False, wide_gemv: bool = False) -> None:
+          no_tma: bool = False, no_stream: bool = False, shared_table: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
@@ -615,8 +616,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N). `no_tma`:
     W4A16 also with the table's tiles loading without TMA (w4a16_no_tma: a second copy of the weights, so an
     engine and graphs of its own), alternating. `no_stream`: the same with the table's stream-K tiles splitting K
-    instead (w4a16_no_stream, table_variant). `wide_gemv`: the same with the one-row GEMV over 512 outputs a
-    program (w4a16_wide_gemv)."""
+    instead (w4a16_no_stream, table_variant). `shared_table`: the same through the table every GPU shares,
+    without this GPU's own tiles (w4a16_shared_table)."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -629,7 +630,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         with words_along_k(True):
             w4_k = quantized_copy(ours)
     variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("no_stream", no_stream),
-                                                                   ("wide_gemv", wide_gemv)) if asked}
+                                                                   ("shared_table", shared_table)) if asked}
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -768,7 +769,8 @@ def anatomy_note() -> list[str]:
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
     "": {"H100, stop 48, another machine: the one-row GEMV over 512 outputs a program (`quick --wide-gemv`, since "
-         "adopted as the H100's own) and the stream-K tiles splitting K (`--no-stream`) beside the table, "
+         "adopted as the H100's own; `--shared-table` times such tiles against the table now) and the "
+         "stream-K tiles splitting K (`--no-stream`) beside the table, "
          "alternating (the 32-row tile unpaired, splitting K)": "_stop48_second",
          "H100, stop 48: the stream-K tiles adopted from 16 to 256 rows (32 rows then paired in stream form; "
          "the unpaired split-K tile that replaced it came after this run), beside the same table splitting K "
@@ -889,7 +891,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
                                           ("_no_tma", "bf16", ", the tiles without TMA"),
                                           ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles"),
                                           ("_no_stream", "bf16", ", the stream-K tiles splitting K instead"),
-                                          ("_wide_gemv", "bf16", ", the one-row GEMV over 512 outputs a program")):
+                                          ("_wide_gemv", "bf16", ", the one-row GEMV over 512 outputs a program"),
+                                          ("_shared_table", "bf16", ", the table every GPU shares (no own tiles)")):
                 w4_name, named = f"w4a16{side}", label + note
                 if "batch" in x and f"{w4_name}_tok_s" in x:
                     w4, bf16 = x.get(f"anatomy_{w4_name}") or {}, x.get(f"anatomy_{bf16_name}") or {}
@@ -1035,10 +1038,9 @@ def main() -> None:
     q.add_argument("--no-stream", action="store_true",
                    help="also time W4A16 with the table's stream-K tiles splitting K instead "
                         "(w4a16_no_stream), alternating")
-    q.add_argument("--wide-gemv", action="store_true",
-                   help="also time W4A16 with the one-row GEMV over 512 outputs a program, the H100 sweeps' fastest "
-                        "(w4a16_wide_gemv), alternating; the same as the table's on a GPU whose own GEMV is 512 wide "
-                        "already (the H100 and the H200 since stop 48)")
+    q.add_argument("--shared-table", action="store_true",
+                   help="also time W4A16 through the table every GPU shares, without this GPU's own tiles "
+                        "(kernels.wna16.DEVICE_TILES; w4a16_shared_table), alternating: what `adopt --device` gained")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1062,7 +1064,7 @@ def main() -> None:
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
               args.pdl, args.words, args.no_tma, args.no_stream,
-              args.wide_gemv)
+              args.shared_table)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

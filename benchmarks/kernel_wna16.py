@@ -216,10 +216,10 @@ def candidates(m: int):
                 for warps in ((4, 8) if rows == 32 else (8,)) for split in (0, 2, 4)]
     # the TMA tiles in equal runs of all the call's K tiles (Blocks.stream, `--kinds stream`): 2-4 programs a
     # multiprocessor at 16 rows (128 registers as compiled: four fit), 1-3 from 32; the K split is the fallback
-    # where TMA cannot read the tensors (stop 48: 3 a multiprocessor won at 16 rows, 2 at 32 and 64). Fewer
-    # programs walk longer runs (a 6.7B layer's calls at 16 rows on 132 multiprocessors: 4-21 K tiles a run at
-    # 2, 2-11 at 4, where K split 8 walks 4 for three of them), with deeper pipelines to keep as many bytes in
-    # flight
+    # where TMA cannot read the tensors (stop 48: 3 a multiprocessor won at 16 rows, 2 at 64; 2 at 32, where the
+    # unpaired K split won over all). Fewer programs walk longer runs (a 6.7B layer's calls at 16 rows on 132
+    # multiprocessors: 4-21 K tiles a run at 2, 2-11 at 4, where K split 8 walks 4 for three of them), with
+    # deeper pipelines to keep as many bytes in flight
     if m <= 16:
         out += [Blocks("swap_bf16x2", rows, 128, 128, 8, 4, stages, tma=True, stream=per_sm)
                 for per_sm, stages in ((2, 3), (2, 4), (2, 6), (3, 3), (3, 4), (4, 3), (4, 4))]

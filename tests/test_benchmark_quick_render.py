@@ -55,7 +55,7 @@ def test_the_kernels_a_run_took_are_read_from_the_table_it_recorded():
         "section below)")
 
 
-def test_no_tma_no_stream_and_wide_gemv_sides_vary_the_tables_tiles_and_put_them_back():
+def test_no_tma_no_stream_and_shared_table_sides_vary_the_tables_tiles_and_put_them_back():
     """`quick --no-tma`: inside, every tile of the table and of the GPUs' own tiles loads without TMA (the
     engines built there capture graphs with those); `quick --no-stream`: the stream-K tiles split K as adopted
     instead, the others stay as they are; after, the table is the code's again, also after an error."""
@@ -73,9 +73,11 @@ def test_no_tma_no_stream_and_wide_gemv_sides_vary_the_tables_tiles_and_put_them
         for (_, b), (_, before) in zip(wna16.BLOCKS_BY_M, table):
             assert b == replace(before, stream=0)
         assert wna16.choose_blocks(16) == replace(dict(table)[16], stream=0)
-    with engine_throughput.table_variant("wide_gemv"):  # `quick --wide-gemv`: the bf16x2 GEMV alone, 512 wide
-        assert wna16.choose_blocks(1) == replace(table[0][1], block_n=512) and table[0][1].block_n != 512
-        assert wna16.choose_blocks(1, bf16x2=False) == table[1][1] and wna16.choose_blocks(16) == dict(table)[16]
+    gpu = next(iter(own))  # `quick --shared-table`: a GPU with tiles of its own runs the shared table's
+    assert wna16.choose_blocks(1, device=gpu) != table[0][1]
+    with engine_throughput.table_variant("shared_table"):
+        assert wna16.choose_blocks(1, device=gpu) == table[0][1] and wna16.BLOCKS_BY_M is table
+    assert wna16.choose_blocks(1, device=gpu) != table[0][1]
     assert wna16.BLOCKS_BY_M is table
     with pytest.raises(RuntimeError), engine_throughput.table_variant("no_tma"):
         raise RuntimeError("a side failed")
