@@ -578,13 +578,14 @@ def words_along_k(along_k: bool | None):
 
 
 @contextlib.contextmanager
-def table_variant(variant: str | None):
+def table_variant(variant: str | None, prefetch: int = 0):
     """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
     engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "no_stream", its
     stream-K tiles splitting K in equal parts instead (Blocks.stream 0, each tile's split_k as adopted);
     "shared_table", the table every GPU shares, without this GPU's own tiles (DEVICE_TILES empty: what
     `adopt --device` gained, alternating, where --table-only runs a whole quick run so); None, the table as it
-    is. The code's table is back after, errors included."""
+    is. `prefetch`: K tiles the stream-K tiles prefetch under PDL (kernels.wna16.STREAM_PREFETCH; 0: as it is). The
+    code's table is back after, errors included."""
     from quantship.kernels import wna16
 
     def varied(b):
@@ -594,7 +595,8 @@ def table_variant(variant: str | None):
             return replace(b, stream=0)
         return b
 
-    table, own = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES
+    table, own, ahead = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH
+    wna16.STREAM_PREFETCH = prefetch or ahead
     if variant == "shared_table":
         wna16.DEVICE_TILES = {}
     elif variant:
@@ -603,12 +605,12 @@ def table_variant(variant: str | None):
     try:
         yield
     finally:
-        wna16.BLOCKS_BY_M, wna16.DEVICE_TILES = table, own
+        wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH = table, own, ahead
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
-          no_tma: bool = False, no_stream: bool = False, shared_table: bool = False) -> None:
+          no_tma: bool = False, no_stream: bool = False, shared_table: bool = False, prefetch: int = 0) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
@@ -617,7 +619,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     W4A16 also with the table's tiles loading without TMA (w4a16_no_tma: a second copy of the weights, so an
     engine and graphs of its own), alternating. `no_stream`: the same with the table's stream-K tiles splitting K
     instead (w4a16_no_stream, table_variant). `shared_table`: the same through the table every GPU shares,
-    without this GPU's own tiles (w4a16_shared_table)."""
+    without this GPU's own tiles (w4a16_shared_table). `prefetch`: W4A16 also with PDL on for every kernel and the
+    stream-K tiles prefetching that many K tiles before their wait (w4a16_pdl_prefetch), alternating."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -630,7 +633,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         with words_along_k(True):
             w4_k = quantized_copy(ours)
     variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("no_stream", no_stream),
-                                                                   ("shared_table", shared_table)) if asked}
+                                                                   ("shared_table", shared_table),
+                                                                   ("pdl_prefetch", prefetch)) if asked}
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -644,19 +648,21 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         sides |= {"w4a16_pdl": (w4, True), "bf16_pdl": (ours, True), "w4a16_pdl_no_tiles": (w4, "default")}
     if words:
         sides["w4a16_words_k"] = (w4_k, None)
-    sides |= {name: (model, None) for name, model in variants.items()}
+    sides |= {name: (model, True if name == "w4a16_pdl_prefetch" else None) for name, model in variants.items()}
 
-    def variant(name):  # the kernel table a side runs
-        return name.removeprefix("w4a16_") if name in variants else None
+    def kernels(name):  # the kernel table a side runs
+        if name == "w4a16_pdl_prefetch":
+            return table_variant(None, prefetch)
+        return table_variant(name.removeprefix("w4a16_") if name in variants else None)
 
     def timed(name, *args):
         model, on = sides[name]
-        with pdl_setting(on), table_variant(variant(name)):
+        with pdl_setting(on), kernels(name):
             return time_engine(model, *args)
 
     def anatomy(name, batch, **kw):
         model, on = sides[name]
-        with pdl_setting(on), table_variant(variant(name)):
+        with pdl_setting(on), kernels(name):
             return step_anatomy(model, config, batch, **kw)
 
     rows = []
@@ -678,7 +684,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             print(rows[-1], flush=True)
         ttft = {}
         for name, (model, on) in sides.items():
-            with pdl_setting(on), table_variant(variant(name)):
+            with pdl_setting(on), kernels(name):
                 ttft[name] = time_ttft(model, None, 2048, config) | {"transformers_s": theirs}
         print(ttft, flush=True)
         levers = ablation({"w4a16": w4, "bf16": ours}, config) if ablate else None
@@ -1041,6 +1047,9 @@ def main() -> None:
     q.add_argument("--shared-table", action="store_true",
                    help="also time W4A16 through the table every GPU shares, without this GPU's own tiles "
                         "(kernels.wna16.DEVICE_TILES; w4a16_shared_table), alternating: what `adopt --device` gained")
+    q.add_argument("--prefetch", type=int, default=0,
+                   help="also time W4A16 with PDL on for every kernel and the stream-K tiles prefetching this many K "
+                        "tiles into L2 before their wait (kernels.wna16.STREAM_PREFETCH; w4a16_pdl_prefetch), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1064,7 +1073,7 @@ def main() -> None:
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
               args.pdl, args.words, args.no_tma, args.no_stream,
-              args.shared_table)
+              args.shared_table, args.prefetch)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

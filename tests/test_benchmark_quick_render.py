@@ -84,3 +84,8 @@ def test_no_tma_no_stream_and_shared_table_sides_vary_the_tables_tiles_and_put_t
     assert wna16.BLOCKS_BY_M is table
     with engine_throughput.table_variant(None):
         assert wna16.BLOCKS_BY_M is table
+    ahead = wna16.STREAM_PREFETCH  # `quick --prefetch 4`: the stream-K tiles prefetch 4 K tiles, then as before
+    with pytest.raises(RuntimeError), engine_throughput.table_variant(None, prefetch=ahead + 3):
+        assert wna16.STREAM_PREFETCH == ahead + 3 and wna16.BLOCKS_BY_M is table
+        raise RuntimeError("a side failed")
+    assert wna16.STREAM_PREFETCH == ahead

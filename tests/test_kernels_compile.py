@@ -151,13 +151,18 @@ for rows, warps, paired in ((16, 4, False), (64, 8, True)):
         descriptors = {"x_desc": f"tensordesc<{x_type}[{rows}, 128]>", "w_desc": "tensordesc<i32[16, 128]>"}
         pointers = {k: v for k, v in matmul.items() if k not in ("x_ptr", "w_ptr", "stride_xm", "stride_wk", "stride_wn",
                                                                 "k_per_split")}
-        # under PDL the raw words too, for the first K tile's prefetch before the wait
+        # under PDL the raw words too, for the prefetch of the run's first K tiles (PREFETCH) before the wait
         words = {"steps_per_program": "i32", "w_ptr": "*i32", "stride_wk": "i32", "stride_wn": "i32"}
         kernel = compile(wna16.wna16_swap_bf16x2_stream_kernel,
                          dict(descriptors, **dict(pointers, s_ptr="*" + x_type, y_ptr="*" + x_type), **words),
                          dict(HAS_ZERO=paired, FINISH=True, BLOCK_M=rows, BLOCK_N=128, BLOCK_K=128, ASM=x_type == "bf16",
-                              X_PAIRED=paired), before_wait="prefetch.global.L2", attrs=("N", "K"),
+                              X_PAIRED=paired, PREFETCH=1 if paired else 4), before_wait="prefetch.global.L2",
+                         attrs=("N", "K"),
                          options={"num_warps": warps, "num_stages": 3})
+        # one prefetch per word of the PREFETCH K tiles [16 word rows, 128] before the wait, spread over the threads
+        ptx = kernel.asm["ptx"]
+        ahead = ptx[:ptx.index("griddepcontrol.wait")].count("prefetch.global.L2")
+        assert ahead == (1 if paired else 4) * 16 * 128 // (32 * warps), ahead
         buffers = [re.findall(rf"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x{shape}", kernel.asm["ttgir"])
                    for shape in (f"{rows}x128x{x_type.replace('fp', 'f')}", "16x128xi32")]  # x's tiles, the words'
         assert all(len(b) == 1 and int(b[0]) >= 2 for b in buffers), buffers

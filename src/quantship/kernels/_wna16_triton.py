@@ -536,18 +536,43 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
+def _prefetch_words(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, wanted):
+    """A tile of words (word rows `rows`, outputs offs_n) prefetched into L2 where `wanted`, a line each."""
+    offsets = rows[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    # one address per 128-byte line (32 words), and the first of the tile's run in each line
+    first = tl.where(stride_wk == 1, rows[:, None] == tl.min(rows, axis=0),
+                     offs_n[None, :] == tl.min(offs_n, axis=0))
+    line = (offsets % 32 == 0) | first
+    _prefetch_l2(w_ptr + offsets, (rows[:, None] < word_rows) & (offs_n[None, :] < N) & line & wanted)
+
+
+@triton.jit
 def _start_swap(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, PDL: tl.constexpr):
     """A swap tile's start under PDL (_pdl_triton): the next kernel released, the first K tile's words
     (word rows `rows`, outputs offs_n) prefetched into L2, a line each, then the wait for the kernel before.
     Prefetched rather than loaded as the GEMVs' are, so the loads stay in the loop Triton pipelines."""
     if PDL:
         release_dependents(PDL)
-        offsets = rows[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        # one address per 128-byte line (32 words), and the first of the tile's run in each line
-        first = tl.where(stride_wk == 1, rows[:, None] == tl.min(rows, axis=0),
-                         offs_n[None, :] == tl.min(offs_n, axis=0))
-        line = (offsets % 32 == 0) | first
-        _prefetch_l2(w_ptr + offsets, (rows[:, None] < word_rows) & (offs_n[None, :] < N) & line)
+        _prefetch_words(w_ptr, rows, offs_n, word_rows, N, stride_wk, stride_wn, True)
+        wait_for_inputs(PDL)
+
+
+@triton.jit
+def _start_stream(w_ptr, start, end, K, tiles_m, N, stride_wk, stride_wn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
+    """The stream kernel's start under PDL: as _start_swap, with the words of its run's first STEPS K tiles
+    prefetched (those the run has), so that the weight traffic of more than one K tile fills the time the
+    kernel before still runs: a norm or the attention of a decode step, short kernels that leave the
+    bandwidth idle."""
+    if PDL:
+        release_dependents(PDL)
+        k_steps = tl.cdiv(K, BLOCK_K)
+        for s in tl.static_range(STEPS):
+            tile = (start + s) // k_steps
+            kk = start + s - tile * k_steps
+            _prefetch_words(w_ptr, kk * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8),
+                            (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N), tl.cdiv(K, 8), N,
+                            stride_wk, stride_wn, start + s < end)
         wait_for_inputs(PDL)
 
 
@@ -845,7 +870,7 @@ def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr,
                                     steps_per_program, w_ptr, stride_wk, stride_wn, HAS_ZERO: tl.constexpr,
                                     FINISH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_PAIRED: tl.constexpr,
-                                    PDL: tl.constexpr):
+                                    PDL: tl.constexpr, PREFETCH: tl.constexpr = 1):
     """wna16_swap_bf16x2_tma_kernel over an even share of all the call's K tiles (stream-K): the K steps of every
     output tile (row blocks of x first, as ROWS_FIRST), laid end to end, go to the programs in equal runs of
     steps_per_program, one loop over the run; the grid is as many programs as the GPU holds at once, so no last
@@ -854,7 +879,8 @@ def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr,
     inside the loop; the tiles it shares with other runs (its first and its last at most) are added to theirs
     after it (_finish_split), as the workspace's counter needs a barrier that would keep Triton from pipelining the
     loop (as compiled for sm_90: one buffer, the copies waited for in every step). Under PDL (w_ptr and its strides,
-    the words the descriptor reads) its first K tile's words are prefetched into L2 before the wait (_start_swap):
+    the words the descriptor reads) its run's first PREFETCH K tiles' words are prefetched into L2 before the wait
+    (_start_stream):
     its programs are all resident from the start, so releasing the next kernel early takes no room from them."""
     k_steps = tl.cdiv(K, BLOCK_K)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -867,8 +893,7 @@ def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr,
     m_blk = first % tiles_m
     n_blk = first // tiles_m
     whole = kk == 0  # this run took the current tile from its first K step
-    _start_swap(w_ptr, kk * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8), n_blk * BLOCK_N + tl.arange(0, BLOCK_N),
-                tl.cdiv(K, 8), N, stride_wk, stride_wn, PDL)
+    _start_stream(w_ptr, start, end, K, tiles_m, N, stride_wk, stride_wn, BLOCK_N, BLOCK_K, PREFETCH, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     scale, base = _column_scale(s_ptr, z_ptr, kk * BLOCK_K // group_size, groups, n_blk * BLOCK_N + tl.arange(0, BLOCK_N),
                                 N, HAS_ZERO)

@@ -520,6 +520,11 @@ def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int
     return (pair_order_x(x2) if paired else x2), {"X_PAIRED": paired, "ASM": asm}
 
 
+# K tiles of its run whose words the stream kernel prefetches into L2 before it waits for the kernel before, under
+# PDL (QUANTSHIP_PDL=1): engine_throughput.py quick --prefetch times another count against this one
+STREAM_PREFETCH = 1
+
+
 def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                         group_size: int, blocks: Blocks, block_k: int, **constexprs) -> torch.Tensor:
     """wna16_swap_bf16x2_stream_kernel: blocks.stream programs per multiprocessor (no more than there are K tiles),
@@ -535,8 +540,8 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
         *_tile_descriptors(x2, packed, blocks, block_k), scale, scale if zero is None else zero, y, sums, counters,
         m, n, k, group_size, per_program, packed, packed.stride(0), packed.stride(1), HAS_ZERO=zero is not None,
         FINISH=sums is not y, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages, **dependent_launch(x2, default_off=True),
-        **constexprs)
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages, PREFETCH=STREAM_PREFETCH,
+        **dependent_launch(x2, default_off=True), **constexprs)
     return y.to(x2.dtype)
 
 
