@@ -774,7 +774,10 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 48, another machine: the one-row GEMV over 512 outputs a program (`quick --wide-gemv`, since "
+    "": {"H100, stop 49: programmatic dependent launch off, on for every kernel, by default (then every kernel but "
+         "the swap tiles), and on with the stream-K tiles prefetching 4 K tiles (`quick --pdl --prefetch 4`), "
+         "alternating; since this run the default takes it for the stream-K tile up to 16 rows too": "_pdl_s49",
+         "H100, stop 48, another machine: the one-row GEMV over 512 outputs a program (`quick --wide-gemv`, since "
          "adopted as the H100's own; `--shared-table` times such tiles against the table now) and the "
          "stream-K tiles splitting K (`--no-stream`) beside the table, "
          "alternating (the 32-row tile unpaired, splitting K)": "_stop48_second",
@@ -892,7 +895,9 @@ def quick_rerun_note(suffix: str) -> list[str]:
             # a quick --pdl run has each side with programmatic dependent launch on too, and W4A16 with it on
             # for all but the swap tiles (against bf16 with it on)
             for side, bf16_name, note in (("", "bf16", ""), ("_pdl", "bf16_pdl", ", PDL on"),
-                                          ("_pdl_no_tiles", "bf16_pdl", ", PDL on but the swap tiles"),
+                                          ("_pdl_no_tiles", "bf16_pdl", ", PDL by default"),
+                                          ("_pdl_prefetch", "bf16_pdl", ", PDL on, the stream-K tiles prefetching "
+                                                                        "`--prefetch` K tiles"),
                                           ("_words_k", "bf16", ", packed words held along K"),
                                           ("_no_tma", "bf16", ", the tiles without TMA"),
                                           ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles"),
@@ -927,8 +932,9 @@ def quick_rerun_note(suffix: str) -> list[str]:
             "new token per request (median of 3), where recorded: the prefill ran eagerly, host-bound, in the runs "
             "before graphs of prompt chunks. Lines from stop 41 on add each MLP's residual step inside the next "
             "layer's norm (one launch fewer per layer, both sides alike); their \"PDL on\" rows launch every "
-            "kernel with programmatic dependent launch (`QUANTSHIP_PDL=1`), \"PDL on but the swap tiles\" "
-            "is the default since stop 41 (`quick` without `--pdl` times the default on both sides). Lines "
+            "kernel with programmatic dependent launch (`QUANTSHIP_PDL=1`); \"PDL by default\" was every "
+            "kernel but the swap tiles from stop 41 to 48, and since stop 49 it takes the stream-K tile up to 16 rows "
+            "too (`quick` without `--pdl` times the default on both sides). Lines "
             "before stop 41 ran without it.", ""] + ([
             "Batch 1 under each of the engine's host-time levers (`quick --ablate`, the same run, settings alternating; "
             "tok/s with the 128-token prefill):", "",

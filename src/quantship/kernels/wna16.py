@@ -37,12 +37,11 @@ tile spans quantization groups. Which runs for which M is a fixed table measured
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
-Under programmatic dependent launch (kernels.dependent_launch: the GEMVs by default, the swap tiles and
-the dequantize pass with QUANTSHIP_PDL=1) the GEMVs load their first K tile's words and scales before
-waiting for the kernel before, the swap tiles (the stream-K form too; the TMA tile splitting K launches
-without it) prefetch their first tile's words into L2, and the
-dequantize pass waits only before its stores: weights are never written during a step, x and the
-outputs may be.
+Under programmatic dependent launch (kernels.dependent_launch: by default the GEMVs and the stream-K tile up to
+STREAM_PDL_MAX_M rows, the other swap tiles and the dequantize pass with QUANTSHIP_PDL=1) the GEMVs load their
+first K tile's words and scales before waiting for the kernel before, the swap tiles (the stream-K form too; the
+TMA tile splitting K launches without it) prefetch their first tile's words into L2, and the dequantize pass
+waits only before its stores: weights are never written during a step, x and the outputs may be.
 """
 
 from __future__ import annotations
@@ -520,8 +519,12 @@ def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int
     return (pair_order_x(x2) if paired else x2), {"X_PAIRED": paired, "ASM": asm}
 
 
+# Rows up to which the stream kernel launches with PDL by default, where the other tiles take it only with
+# QUANTSHIP_PDL=1 (engine_throughput.py quick --pdl, H100): the batch-16 decode step took 2.74 ms with it against
+# 3.00 without; at 64 rows 6.34 against 5.39, the next kernel's early programs slowing a longer, busier one.
+STREAM_PDL_MAX_M = 16
 # K tiles of its run whose words the stream kernel prefetches into L2 before it waits for the kernel before, under
-# PDL (QUANTSHIP_PDL=1): engine_throughput.py quick --prefetch times another count against this one
+# PDL: 4 made the batch-16 step 2.87 ms against 2.74 for 1 (quick --prefetch, the same run).
 STREAM_PREFETCH = 1
 
 
@@ -541,7 +544,7 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
         m, n, k, group_size, per_program, packed, packed.stride(0), packed.stride(1), HAS_ZERO=zero is not None,
         FINISH=sums is not y, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages, PREFETCH=STREAM_PREFETCH,
-        **dependent_launch(x2, default_off=True), **constexprs)
+        **dependent_launch(x2, default_off=m > STREAM_PDL_MAX_M), **constexprs)
     return y.to(x2.dtype)
 
 
