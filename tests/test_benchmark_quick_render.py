@@ -32,7 +32,7 @@ def test_a_pdl_run_renders_both_settings(monkeypatch, tmp_path):
     assert "| made up | 1 | 300.0 | 150.0 | 2.00x | 2.50x | 2.50x | 13.0 / 7.0 |" in text
     assert "| made up, PDL on | 1 | 360.0 | 160.0 | 2.25x | 3.00x | 3.00x | 12.0 / 6.5 |" in text
     assert "| made up, PDL by default | 1 | 400.0 | 160.0 | 2.50x | 4.00x | 3.20x | 12.5 / 6.5 |" in text
-    assert "| made up, PDL on but the swap tiles | TTFT 2048 | 63.0 ms | 70.0 ms | 1.11x |" in text
+    assert "| made up, PDL by default | TTFT 2048 | 63.0 ms | 70.0 ms | 1.11x |" in text
     assert "| made up | TTFT 2048 | 72.0 ms | 70.0 ms | 0.97x |  |  | transformers bf16 63.0 ms: W4A16 0.88x" in text
     assert "| made up, PDL on | TTFT 2048 | 70.0 ms | 70.0 ms | 1.00x |  |  | transformers bf16 63.0 ms: W4A16 " \
         "0.90x, bf16 0.90x of its speed |" in text
