@@ -770,11 +770,31 @@ def anatomy_note() -> list[str]:
             "at 16 (the swap tile, 85 µs a layer) and 62% at 64 (the swap tile, with 5% more for permuting x); "
             "paged decode attention 10%, 17% and 27% (at 16 and 64 sequences near the bandwidth of the K/V it "
             "reads); bf16's lm_head 4%; norms about 5% at batch 1; the K/V cache write 1.8% (1.3 µs a layer, 7 µs "
-            "when one program walked every head).", ""]
+            "when one program walked every head).", "", STEP_PROFILE, ""]
+
+
+STEP_PROFILE = (  # from benchmarks/results/profiles/engine_quick_h200_s49_no_pdl.txt (engine_quick_gpu_s49_profile_no_pdl)
+    "The same on an H200 with stop 49's code (`QUANTSHIP_PDL=0 quick --batches 1 16 --profile`: with PDL on, a "
+    "kernel's time in the profile includes its wait for the kernel before, so the durations come from a run with it "
+    "off; the W4A16 step was 1.96 ms at batch 1 and 2.84 ms at 16 there, 1.89 and 2.66-2.72 with it). At batch 1 the "
+    "GEMVs take 76% of the graph's GPU time, 11.3 µs a call and 45 µs a layer for its 101 MB (2.2 TB/s, about half "
+    "the H200's copy bandwidth); paged decode attention 6.0 µs a layer (10%); the two norms 1.9 µs each (6.5%); the "
+    "bf16 lm_head 65 µs a step (3.4%); the K/V write 1.3 µs a layer; about 20 one-off kernels a step (rotary "
+    "tables, sampling, the inputs) 1-2 µs each. At batch 16 the stream-K tiles take 69%, 15.4 µs a call and 62 µs "
+    "a layer (1.6 TB/s), paged decode attention 16.2 µs a layer (18%, about a third of the bandwidth its 25 MB of "
+    "K/V would allow), norms 2.1 µs each, SwiGLU's product 1.4 µs and the K/V write 1.8 µs a layer, lm_head 66 µs "
+    "and the embedding's index_select 20 µs a step. What keeps the W4A16 calls from the bandwidth on an H200 is a "
+    "per-call cost of about 6 µs at batch 1 and 10 µs at batch 16 beyond their bytes' time, more of the call than "
+    "on an H100, whose bandwidth is lower.")
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 49: programmatic dependent launch off, on for every kernel, by default (then every kernel but "
+    "": {"H200, stop 49, after the full run above: profiled, PDL off (`QUANTSHIP_PDL=0 quick --batches 1 16 "
+         "--profile`; both sides without it)": "_s49_profile_no_pdl",
+         "H200, stop 49, the same machine: profiled, PDL by default (the stream-K tile up to 16 rows with it)":
+         "_s49_profile_b",
+         "H200, stop 49, the same machine, a run before": "_s49_profile",
+         "H100, stop 49: programmatic dependent launch off, on for every kernel, by default (then every kernel but "
          "the swap tiles), and on with the stream-K tiles prefetching 4 K tiles (`quick --pdl --prefetch 4`), "
          "alternating; since this run the default takes it for the stream-K tile up to 16 rows too": "_pdl_s49",
          "H100, stop 48, another machine: the one-row GEMV over 512 outputs a program (`quick --wide-gemv`, since "
