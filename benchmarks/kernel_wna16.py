@@ -351,6 +351,7 @@ def run(out: Path, sweep: bool, kinds: tuple[str, ...] = (), ms: tuple[int, ...]
               # programmatic dependent launch (kernels.dependent_launch): a layer's graphed GEMV calls overlap
               # each other by default; the tiles' only with QUANTSHIP_PDL=1
               "pdl": torch.cuda.is_available() and dependent_launch(torch.empty(0, device="cuda"))["PDL"],
+              "gemv_quads": wna16.GEMV_QUADS,
               "pdl_tiles": torch.cuda.is_available() and dependent_launch(torch.empty(0, device="cuda"),
                                                                           default_off=True)["PDL"],
               "torch": torch.__version__}
@@ -867,6 +868,9 @@ def main() -> None:
     p.add_argument("--name", default="kernel_wna16", help="the result file's name (NAME.json)")
     p.add_argument("--words", choices=["k", "n"], default="n",
                    help="the packed words held along N (the default, kernels.wna16.WORDS_ALONG_K) or along K")
+    p.add_argument("--quads", action="store_true",
+                   help="the bf16x2 GEMV adding its K split's sums four per vector reduction where its tiles allow, "
+                        "not one atomic per sum (kernels.wna16.GEMV_QUADS)")
     w = sub.add_parser("words", help="the table's kernels with the words held along K and along N")
     w.add_argument("--out", type=Path, default=RESULTS)
     w.add_argument("--ms", type=int, nargs="+", default=list(WORDS_MS))
@@ -880,6 +884,7 @@ def main() -> None:
         from quantship.kernels import wna16
 
         wna16.WORDS_ALONG_K = args.words == "k"
+        wna16.GEMV_QUADS = args.quads
         run(args.out, args.sweep, tuple(args.kinds), tuple(args.ms), args.name)
     elif args.cmd == "words":
         words(args.out, tuple(args.ms))

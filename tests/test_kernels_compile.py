@@ -59,7 +59,7 @@ for bits in (4, 8):
             if bits == 4:  # its bf16x2 PTX goes through ptxas here: the interpreter cannot run it
                 for gated in (False, True):
                     compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
-                            {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated, EVEN_K=gated).items()
+                            {k: v for k, v in dict(tiles, SPANS=spans, GATED=gated, EVEN_K=gated, QUADS=False).items()
                              if k != "BITS"}, before_wait="ld.global")
             for block_m, block_n in ((16, 128), (64, 64)):  # the table's two swap tiles
                 # the 64-row ones also with the grid walking row blocks first (prefill candidates)
@@ -143,6 +143,15 @@ for b in tiles:
             assert "cp.async.bulk.tensor" in kernel.asm["ptx"] and "cp.async.cg" not in kernel.asm["ptx"]
             asm = [line for line in kernel.asm["ttgir"].splitlines() if "elementwise_inline_asm" in line and "lop3" in line]
             assert x_type == "fp32" or (len(asm) == 1 and "#ttg.dot_op<{opIdx = 0" in asm[0]), asm
+# The bf16x2 GEMV with its K split's sums added four per vector reduction (QUADS, as wna16._quads allows: 4 or 8
+# outputs a thread, 4 warps): one reduction per 4 outputs and per thread, so no output is added twice.
+for block_n, gated in ((512, False), (1024, True)):
+    kernel = compile(wna16.wna16_gemv_bf16x2_kernel, matmul,
+                     dict(HAS_ZERO=False, ATOMIC=True, FINISH=True, BLOCK_N=block_n, BLOCK_K=64, SPANS=False,
+                          GATED=gated, EVEN_K=True, QUADS=True), before_wait="ld.global", options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("red.relaxed.gpu.global.add.v4.f32") == block_n // (4 * 128), block_n
+    assert not re.search(r"(atom|red)\.global\.gpu\.relaxed\.add\.f32", ptx), block_n  # no scalar atomics left
 # The stream kernel (Blocks.stream): its loop stays pipelined, the copies of later K tiles issued before the
 # product of this one (a barrier in the loop, as the workspace's counter takes, would leave one buffer, each copy
 # waited for as it is issued), and for bf16 x the pairs are made on the product's operand registers.
@@ -261,7 +270,7 @@ def test_every_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     tiles, tma = map(int, re.search(r"table tiles (\d+) through tma (\d+)", done.stdout).groups())
-    assert tiles >= 4 and done.stdout.count(" ok") == 166 + 2 * (tiles + tma)
+    assert tiles >= 4 and done.stdout.count(" ok") == 168 + 2 * (tiles + tma)
 
 
 def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
@@ -286,8 +295,8 @@ def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
 @pytest.mark.parametrize("setting, kernels, tiles", [(None, True, False), ("", True, False), ("1", True, True),
                                                      ("0", False, False)])
 def test_pdl_settings_say_which_kernels(monkeypatch, setting, kernels, tiles):
-    """PDL by default for every kernel but the swap tiles and the MoE path's (default_off); QUANTSHIP_PDL=1 for
-    every kernel, =0 for none."""
+    """PDL by default for every kernel but those default_off (the swap tiles but the 16-row stream-K one, the MoE
+    path's); QUANTSHIP_PDL=1 for every kernel, =0 for none."""
     from quantship.kernels import pdl_asked
 
     if setting is None:

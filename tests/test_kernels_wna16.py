@@ -316,6 +316,40 @@ def test_bf16x2_gemv_equals_the_reference(group, symmetric, m, n, k, block_k):
     assert error < (1e-2 if DEVICE == "cuda" else 1e-5), error.item()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the vector reduction is PTX: the interpreter cannot run it")
+@pytest.mark.parametrize("block_n,warps,gated", [(512, 4, False), (1024, 4, True), (256, 2, False)])
+def test_bf16x2_gemv_adding_its_sums_four_at_once_equals_the_reference(block_n, warps, gated, monkeypatch):
+    """wna16.GEMV_QUADS: the GEMV's K split (one K tile a program) added four sums per vector reduction, over N
+    that is not a whole tile and several rows: within bf16's rounding of the reference, each sum added once, and
+    the workspace left clean for the next call."""
+    monkeypatch.setattr(wna16, "GEMV_QUADS", True)
+    n, k, group = 1028, 1024, 128
+    blocks = wna16.Blocks("gemv_bf16x2", 1, block_n, 64, -1, warps, 1)
+    assert wna16._quads(n, blocks, spans=False)
+    values, scale, zero = random_quantized(n, k, 4, group, False, seed=block_n)
+    packed, scale, zero = wna16.pack(values, 4).cuda(), scale.cuda(), zero.cuda()
+    x = torch.randn(3, 2 * k if gated else k, generator=torch.Generator().manual_seed(7)).cuda().bfloat16()
+    inputs = F.silu(x[:, :k].float()) * x[:, k:].float() if gated else x.float()
+    expected = wna16.reference_matmul(inputs, packed, scale, zero, 4, k, group)
+    for _ in range(2):  # the second call finds the workspace as the first left it
+        out = wna16.matmul(x, packed, scale.bfloat16(), zero, 4, k, group, blocks=blocks, gated=gated)
+        assert ((out.float() - expected).norm() / expected.norm()) < 1e-2
+    assert int(wna16.split_workspace(x.device, 1, 1)[0].count_nonzero()) == 0
+
+
+def test_sums_go_four_at_once_only_where_no_thread_shares_a_quad(monkeypatch):
+    """_quads: whole quads of N, a tile of whole multiples of 4 outputs a thread (4 warps of 32: 512, 1024), and no
+    tile spanning groups (its row sums come sliced from a 2-D layout that holds them in several threads); and only
+    when asked (GEMV_QUADS, off by default until a GPU has timed it)."""
+    tile = wna16.Blocks("gemv_bf16x2", 1, 512, 64, -1, 4, 1)
+    assert not wna16._quads(4096, tile, spans=False)
+    monkeypatch.setattr(wna16, "GEMV_QUADS", True)
+    assert wna16._quads(4096, tile, spans=False) and wna16._quads(4096, replace(tile, block_n=1024), spans=False)
+    assert not wna16._quads(4098, tile, spans=False) and not wna16._quads(4096, tile, spans=True)
+    assert not wna16._quads(4096, replace(tile, block_n=256), spans=False)  # 2 outputs a thread: quads shared
+    assert wna16._quads(4096, replace(tile, block_n=256, num_warps=2), spans=False)
+
+
 def test_packed_linear_holds_packed_bytes_and_matches_the_unpacked_layer():
     values, scale, zero = random_quantized(64, 256, 4, 32, False, seed=1)
     bias = torch.randn(64)

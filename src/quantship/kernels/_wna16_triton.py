@@ -209,15 +209,43 @@ def _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, mask, tile, splits, AT
 
 
 @triton.jit
+def _quarters(t):
+    """[4Q] → its elements 4q, 4q + 1, 4q + 2 and 4q + 3, [Q] each (each thread holds its four together)."""
+    even, odd = tl.split(tl.reshape(t, [t.shape[0] // 4, 2, 2]))
+    first, third = tl.split(even)
+    second, fourth = tl.split(odd)
+    return first, second, third, fourth
+
+
+@triton.jit
+def _add_quads(ptrs, values, mask):
+    """values [BN] added into the float32s at ptrs (consecutive, the first 16-byte aligned, BN a multiple of 4, mask
+    the same within each 4) by one vector reduction per 4 values (red...add.v4.f32, sm_90; GPU only), where
+    tl.atomic_add makes one atomic operation per value: a quarter of the K split's atomic traffic into L2."""
+    a, b, c, d = _quarters(values)
+    first, _, _, _ = _quarters(ptrs)
+    ok, _, _, _ = _quarters(mask.to(tl.int32))
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $6, 0; "
+                              "@p red.relaxed.gpu.global.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0; }",
+                              "=r,l,f,f,f,f,r", [first.to(tl.int64), a, b, c, d, ok], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, splits, ATOMIC: tl.constexpr,
-               FINISH: tl.constexpr, SPANS: tl.constexpr):
-    """Row row_m of y from a GEMV's accumulator (_store_tile; a tile is BN outputs of one row)."""
+               FINISH: tl.constexpr, SPANS: tl.constexpr, QUADS: tl.constexpr = False):
+    """Row row_m of y from a GEMV's accumulator (_store_tile; a tile is BN outputs of one row). QUADS (N a multiple
+    of 4, GPU only): a K split finished in the kernel adds its sums four per operation (_add_quads)."""
     if SPANS:
         y = tl.sum(acc, axis=0)
     else:
         y = acc
-    _store_tile(y, y_ptr, ws_ptr, counter_ptr, row_m * N + offs_n, offs_n < N, row_m * tl.num_programs(0) + pid_n,
-                splits, ATOMIC, FINISH)
+    offsets, mask, tile = row_m * N + offs_n, offs_n < N, row_m * tl.num_programs(0) + pid_n
+    if ATOMIC & FINISH & QUADS:
+        _add_quads(ws_ptr + offsets, y, mask)
+        _finish_split(ws_ptr + offsets, y_ptr + offsets, mask, counter_ptr + tile, splits)
+    else:
+        _store_tile(y, y_ptr, ws_ptr, counter_ptr, offsets, mask, tile, splits, ATOMIC, FINISH)
 
 
 @triton.jit
@@ -381,7 +409,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_x
           k_per_split,
           BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
           BF16X2: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+          BLOCK_K: tl.constexpr, PDL: tl.constexpr, QUADS: tl.constexpr = False):
     """The dense GEMVs' program: row program_id(1) of x, outputs program_id(0), K split program_id(2). The
     first K tile's words are loaded before waiting for the kernel before (PDL): they are weights, so with
     PDL they are in flight while that kernel finishes (the table's GEMVs have one K tile per program)."""
@@ -405,7 +433,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_x
         acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, stride_wk, stride_wn,
                         group_size, BITS, HAS_ZERO, SPANS, BF16X2, GATED, EVEN_K)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
-               SPANS)
+               SPANS, QUADS)
 
 
 @triton.jit
@@ -425,12 +453,14 @@ def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M,
 def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
                              stride_wk, stride_wn, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                              FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                             QUADS: tl.constexpr = False):
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
-    would; the rest (pair sums, scales, the accumulation over K) is float32. GATED, EVEN_K: as the GEMV's."""
+    would; the rest (pair sums, scales, the accumulation over K) is float32. GATED, EVEN_K: as the GEMV's;
+    QUADS: the K split's sums added four per operation (_store_row)."""
     _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
-          k_per_split, 4, HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, EVEN_K, BLOCK_N, BLOCK_K, PDL)
+          k_per_split, 4, HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, EVEN_K, BLOCK_N, BLOCK_K, PDL, QUADS)
 
 
 @triton.jit

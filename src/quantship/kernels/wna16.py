@@ -519,6 +519,20 @@ def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int
     return (pair_order_x(x2) if paired else x2), {"X_PAIRED": paired, "ASM": asm}
 
 
+# Whether the bf16x2 GEMV adds its K split's sums into the workspace four per vector reduction
+# (red.global.add.v4.f32) rather than one atomic operation per sum (_quads): a quarter of the atomic traffic of its
+# one-K-tile programs, which make one per 64 weights in an H200's 512x64 tiles. Off until a GPU has timed it and
+# run its test (`kernel_wna16.py run --quads`, test_bf16x2_gemv_adding_its_sums_four_at_once_equals_the_reference):
+# written in a session whose GPU time had run out.
+GEMV_QUADS = False
+
+
+def _quads(n: int, blocks: Blocks, spans: bool) -> bool:
+    """Whether a bf16x2 GEMV adds its sums four per vector reduction: N whole quads (16-byte aligned, the mask the
+    same within each), and each thread holding whole quads of its tile's outputs, none held by two threads (the
+    inline PTX has no guard against a value held twice, as tl.atomic_add has): a BN of whole multiples of 4 per
+    thread, and no tile spanning groups, whose row sums come in a layout sliced from the 2-D accumulator."""
+    return GEMV_QUADS and n % 4 == 0 and not spans and blocks.block_n % (4 * 32 * blocks.num_warps) == 0
 # Rows up to which the stream kernel launches with PDL by default, where the other tiles take it only with
 # QUANTSHIP_PDL=1 (engine_throughput.py quick --pdl, H100): the batch-16 decode step took 2.74 ms with it against
 # 3.00 without; at 64 rows 6.34 against 5.39, the next kernel's early programs slowing a longer, busier one.
@@ -607,7 +621,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
-        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
+        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated,
+                                               QUADS=_quads(n, blocks, spans), **common)
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
         constexprs = dict(pairs, BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first)
