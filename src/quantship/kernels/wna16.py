@@ -533,6 +533,8 @@ def _quads(n: int, blocks: Blocks, spans: bool) -> bool:
     inline PTX has no guard against a value held twice, as tl.atomic_add has): a BN of whole multiples of 4 per
     thread, and no tile spanning groups, whose row sums come in a layout sliced from the 2-D accumulator."""
     return GEMV_QUADS and n % 4 == 0 and not spans and blocks.block_n % (4 * 32 * blocks.num_warps) == 0
+
+
 # Rows up to which the stream kernel launches with PDL by default, where the other tiles take it only with
 # QUANTSHIP_PDL=1 (engine_throughput.py quick --pdl, H100): the batch-16 decode step took 2.74 ms with it against
 # 3.00 without; at 64 rows 6.34 against 5.39, the next kernel's early programs slowing a longer, busier one.
