@@ -578,13 +578,14 @@ def words_along_k(along_k: bool | None):
 
 
 @contextlib.contextmanager
-def table_variant(variant: str | None, prefetch: int = 0):
+def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False):
     """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
     engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "no_stream", its
     stream-K tiles splitting K in equal parts instead (Blocks.stream 0, each tile's split_k as adopted);
     "shared_table", the table every GPU shares, without this GPU's own tiles (DEVICE_TILES empty: what
     `adopt --device` gained, alternating, where --table-only runs a whole quick run so); None, the table as it
-    is. `prefetch`: K tiles the stream-K tiles prefetch under PDL (kernels.wna16.STREAM_PREFETCH; 0: as it is). The
+    is. `prefetch`: K tiles the stream-K tiles prefetch under PDL (kernels.wna16.STREAM_PREFETCH; 0: as it is).
+    `quads`: the GEMV adds its sums four per vector reduction (kernels.wna16.GEMV_QUADS; False: as it is). The
     code's table is back after, errors included."""
     from quantship.kernels import wna16
 
@@ -595,8 +596,8 @@ def table_variant(variant: str | None, prefetch: int = 0):
             return replace(b, stream=0)
         return b
 
-    table, own, ahead = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH
-    wna16.STREAM_PREFETCH = prefetch or ahead
+    table, own, ahead, fours = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH, wna16.GEMV_QUADS
+    wna16.STREAM_PREFETCH, wna16.GEMV_QUADS = prefetch or ahead, quads or fours
     if variant == "shared_table":
         wna16.DEVICE_TILES = {}
     elif variant:
@@ -605,12 +606,13 @@ def table_variant(variant: str | None, prefetch: int = 0):
     try:
         yield
     finally:
-        wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH = table, own, ahead
+        wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH, wna16.GEMV_QUADS = table, own, ahead, fours
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
-          no_tma: bool = False, no_stream: bool = False, shared_table: bool = False, prefetch: int = 0) -> None:
+          no_tma: bool = False, no_stream: bool = False, shared_table: bool = False, prefetch: int = 0,
+          quads: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
@@ -620,7 +622,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     engine and graphs of its own), alternating. `no_stream`: the same with the table's stream-K tiles splitting K
     instead (w4a16_no_stream, table_variant). `shared_table`: the same through the table every GPU shares,
     without this GPU's own tiles (w4a16_shared_table). `prefetch`: W4A16 also with PDL on for every kernel and the
-    stream-K tiles prefetching that many K tiles before their wait (w4a16_pdl_prefetch), alternating."""
+    stream-K tiles prefetching that many K tiles before their wait (w4a16_pdl_prefetch), alternating. `quads`: W4A16
+    also with the GEMV adding its sums four per vector reduction (w4a16_quads), alternating."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -634,7 +637,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
             w4_k = quantized_copy(ours)
     variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("no_stream", no_stream),
                                                                    ("shared_table", shared_table),
-                                                                   ("pdl_prefetch", prefetch)) if asked}
+                                                                   ("pdl_prefetch", prefetch),
+                                                                   ("quads", quads)) if asked}
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -653,6 +657,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     def kernels(name):  # the kernel table a side runs
         if name == "w4a16_pdl_prefetch":
             return table_variant(None, prefetch)
+        if name == "w4a16_quads":
+            return table_variant(None, quads=True)
         return table_variant(name.removeprefix("w4a16_") if name in variants else None)
 
     def timed(name, *args):
@@ -918,6 +924,7 @@ def quick_rerun_note(suffix: str) -> list[str]:
                                           ("_pdl_no_tiles", "bf16_pdl", ", PDL by default"),
                                           ("_pdl_prefetch", "bf16_pdl", ", PDL on, the stream-K tiles prefetching "
                                                                         "`--prefetch` K tiles"),
+                                          ("_quads", "bf16", ", the GEMV adding its sums four at once"),
                                           ("_words_k", "bf16", ", packed words held along K"),
                                           ("_no_tma", "bf16", ", the tiles without TMA"),
                                           ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles"),
@@ -1076,6 +1083,9 @@ def main() -> None:
     q.add_argument("--prefetch", type=int, default=0,
                    help="also time W4A16 with PDL on for every kernel and the stream-K tiles prefetching this many K "
                         "tiles into L2 before their wait (kernels.wna16.STREAM_PREFETCH; w4a16_pdl_prefetch), alternating")
+    q.add_argument("--quads", action="store_true",
+                   help="also time W4A16 with the one-row GEMV adding its K split's sums four per vector reduction "
+                        "(kernels.wna16.GEMV_QUADS; w4a16_quads), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1099,7 +1109,7 @@ def main() -> None:
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
               args.pdl, args.words, args.no_tma, args.no_stream,
-              args.shared_table, args.prefetch)
+              args.shared_table, args.prefetch, args.quads)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

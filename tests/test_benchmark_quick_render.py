@@ -89,3 +89,7 @@ def test_no_tma_no_stream_and_shared_table_sides_vary_the_tables_tiles_and_put_t
         assert wna16.STREAM_PREFETCH == ahead + 3 and wna16.BLOCKS_BY_M is table
         raise RuntimeError("a side failed")
     assert wna16.STREAM_PREFETCH == ahead
+    fours = wna16.GEMV_QUADS  # `quick --quads`: the GEMV's sums four at once inside, then as before
+    with engine_throughput.table_variant(None, quads=True):
+        assert wna16.GEMV_QUADS and wna16.STREAM_PREFETCH == ahead and wna16.BLOCKS_BY_M is table
+    assert wna16.GEMV_QUADS == fours
