@@ -142,6 +142,13 @@ def candidates(m: int):
         # 2-3% a batch-1 step in the engine: the H100's own tiles now)
         out += [Blocks("gemv_bf16x2", 1, bn, 256, -1, warps, 1) for bn, warps in ((128, 2), (128, 4), (256, 4),
                                                                                    (256, 8), (512, 8))]
+        # registers capped so more programs share a multiprocessor: a GEMV program issues all its words' loads
+        # before its sums, so resident programs are the bytes in flight. As Triton 3.6 compiles them for sm_90 the
+        # H200's 512x64 tiles take 212 registers (2 programs of 4 warps a multiprocessor), 168 or 152 without
+        # spilling (3), 128 with 25 spilled loads (4); the table's 256x128 and 256x64 (2 warps) take 254
+        out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1, max_registers=cap)
+                for bn, bk, warps, cap in ((512, 64, 4, 168), (512, 64, 4, 128), (256, 128, 4, 168),
+                                           (256, 64, 2, 168), (256, 64, 2, 128), (512, 128, 4, 168))]
         # (a few K tiles per program, K split 8 or 16, pipelined or not, were swept once, kernel_wna16_gemv_splits:
         # 15-45% behind one K tile per program, so no candidates)
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
