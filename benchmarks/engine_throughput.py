@@ -615,8 +615,9 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
           quads: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
-    it (by default on for every kernel but the tiles). `pdl`: each side with it off, on for every kernel
-    (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles; bf16 has no tiles), alternating. `words`:
+    it (by default on for every kernel but the swap tiles past 16 rows). `pdl`: each side with it off, on for every
+    kernel (the *_pdl entries) and W4A16 by default (w4a16_pdl_no_tiles, a name from when the default left out every
+    tile; bf16 has no tiles), alternating. `words`:
     W4A16 also with its packed words held along K (w4a16_words_k), alternating with the default (along N). `no_tma`:
     W4A16 also with the table's tiles loading without TMA (w4a16_no_tma: a second copy of the weights, so an
     engine and graphs of its own), alternating. `no_stream`: the same with the table's stream-K tiles splitting K
@@ -918,8 +919,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
         if not path.exists():
             continue
         for x in json.loads(path.read_text()):
-            # a quick --pdl run has each side with programmatic dependent launch on too, and W4A16 with it on
-            # for all but the swap tiles (against bf16 with it on)
+            # a quick --pdl run has each side with programmatic dependent launch on too, and W4A16 with it by
+            # default (against bf16 with it on)
             for side, bf16_name, note in (("", "bf16", ""), ("_pdl", "bf16_pdl", ", PDL on"),
                                           ("_pdl_no_tiles", "bf16_pdl", ", PDL by default"),
                                           ("_pdl_prefetch", "bf16_pdl", ", PDL on, the stream-K tiles prefetching "
