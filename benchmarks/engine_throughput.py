@@ -655,11 +655,11 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         sides["w4a16_words_k"] = (w4_k, None)
     sides |= {name: (model, True if name == "w4a16_pdl_prefetch" else None) for name, model in variants.items()}
 
+    knobs = {"w4a16_pdl_prefetch": {"prefetch": prefetch}, "w4a16_quads": {"quads": True}}  # sides of one setting
+
     def kernels(name):  # the kernel table a side runs
-        if name == "w4a16_pdl_prefetch":
-            return table_variant(None, prefetch)
-        if name == "w4a16_quads":
-            return table_variant(None, quads=True)
+        if name in knobs:
+            return table_variant(None, **knobs[name])
         return table_variant(name.removeprefix("w4a16_") if name in variants else None)
 
     def timed(name, *args):
@@ -762,6 +762,21 @@ def agreement_text(r: dict) -> str:
 ANATOMY_RUN = "engine_quick_gpu_stop39_kv_write.json"  # the quick run whose step anatomy the 6.7B section quotes
 
 
+STEP_PROFILE = (  # from benchmarks/results/profiles/engine_quick_h200_s49_no_pdl.txt (engine_quick_gpu_s49_profile_no_pdl)
+    "The same on an H200 with stop 49's code (`QUANTSHIP_PDL=0 quick --batches 1 16 --profile`: with PDL on, a "
+    "kernel's time in the profile includes its wait for the kernel before, so the durations come from a run with it "
+    "off; the W4A16 step was 1.96 ms at batch 1 and 2.84 ms at 16 there, 1.89 and 2.66-2.72 with it). At batch 1 the "
+    "GEMVs take 76% of the graph's GPU time, 11.3 µs a call and 45 µs a layer for its 101 MB (2.2 TB/s, about half "
+    "the H200's copy bandwidth); paged decode attention 6.0 µs a layer (10%); the two norms 1.9 µs each (6.5%); the "
+    "bf16 lm_head 65 µs a step (3.4%); the K/V write 1.3 µs a layer; about 20 one-off kernels a step (rotary "
+    "tables, sampling, the inputs) 1-2 µs each. At batch 16 the stream-K tiles take 69%, 15.4 µs a call and 62 µs "
+    "a layer (1.6 TB/s), paged decode attention 16.2 µs a layer (18%, about a third of the bandwidth its 25 MB of "
+    "K/V would allow), norms 2.1 µs each, SwiGLU's product 1.4 µs and the K/V write 1.8 µs a layer, lm_head 66 µs "
+    "and the embedding's index_select 20 µs a step. What keeps the W4A16 calls from the bandwidth on an H200 is a "
+    "per-call cost of about 6 µs at batch 1 and 10 µs at batch 16 beyond their bytes' time, more of the call than "
+    "on an H100, whose bandwidth is lower.")
+
+
 def anatomy_note() -> list[str]:
     quick = RESULTS / ANATOMY_RUN
     if not quick.exists() or "anatomy_bf16" not in json.loads(quick.read_text())[0]:
@@ -778,21 +793,6 @@ def anatomy_note() -> list[str]:
             "paged decode attention 10%, 17% and 27% (at 16 and 64 sequences near the bandwidth of the K/V it "
             "reads); bf16's lm_head 4%; norms about 5% at batch 1; the K/V cache write 1.8% (1.3 µs a layer, 7 µs "
             "when one program walked every head).", "", STEP_PROFILE, ""]
-
-
-STEP_PROFILE = (  # from benchmarks/results/profiles/engine_quick_h200_s49_no_pdl.txt (engine_quick_gpu_s49_profile_no_pdl)
-    "The same on an H200 with stop 49's code (`QUANTSHIP_PDL=0 quick --batches 1 16 --profile`: with PDL on, a "
-    "kernel's time in the profile includes its wait for the kernel before, so the durations come from a run with it "
-    "off; the W4A16 step was 1.96 ms at batch 1 and 2.84 ms at 16 there, 1.89 and 2.66-2.72 with it). At batch 1 the "
-    "GEMVs take 76% of the graph's GPU time, 11.3 µs a call and 45 µs a layer for its 101 MB (2.2 TB/s, about half "
-    "the H200's copy bandwidth); paged decode attention 6.0 µs a layer (10%); the two norms 1.9 µs each (6.5%); the "
-    "bf16 lm_head 65 µs a step (3.4%); the K/V write 1.3 µs a layer; about 20 one-off kernels a step (rotary "
-    "tables, sampling, the inputs) 1-2 µs each. At batch 16 the stream-K tiles take 69%, 15.4 µs a call and 62 µs "
-    "a layer (1.6 TB/s), paged decode attention 16.2 µs a layer (18%, about a third of the bandwidth its 25 MB of "
-    "K/V would allow), norms 2.1 µs each, SwiGLU's product 1.4 µs and the K/V write 1.8 µs a layer, lm_head 66 µs "
-    "and the embedding's index_select 20 µs a step. What keeps the W4A16 calls from the bandwidth on an H200 is a "
-    "per-call cost of about 6 µs at batch 1 and 10 µs at batch 16 beyond their bytes' time, more of the call than "
-    "on an H100, whose bandwidth is lower.")
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix

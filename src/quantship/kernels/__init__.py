@@ -73,8 +73,8 @@ def dependent_launch(x: torch.Tensor, default_off: bool = False) -> dict:
     the W4A16 swap tiles of batch 2-256 (but the stream-K tile up to 16 rows, 9% off the batch-16 step on an
     H100: wna16.STREAM_PDL_MAX_M), which made the batch-16 step 6-15% slower with it on an H100 in their
     pointer form and the 64-row step 18% slower, and the dequantize pass and the MoE path's kernels (routing,
-    fused experts), not timed with it. The rest
-    (the GEMVs, norms, rotary, cache writes, SwiGLU, paged attention) made the W4A16 batch-1 step 10-12%
+    fused experts), not timed with it. The rest (the GEMVs, norms, rotary, cache writes, SwiGLU, paged
+    attention) made the W4A16 batch-1 step 10-12%
     faster there and bf16's 1% (`benchmarks/engine_throughput.py quick --pdl`, BENCHMARKS.md), with the
     same greedy tokens. QUANTSHIP_PDL=0 turns it off, =1 on for every kernel. CI checks what each kernel
     compiles to with it."""

@@ -910,8 +910,8 @@ def wna16_swap_bf16x2_stream_kernel(x_desc, w_desc, s_ptr, z_ptr, y_ptr, ws_ptr,
     after it (_finish_split), as the workspace's counter needs a barrier that would keep Triton from pipelining the
     loop (as compiled for sm_90: one buffer, the copies waited for in every step). Under PDL (w_ptr and its strides,
     the words the descriptor reads) its run's first PREFETCH K tiles' words are prefetched into L2 before the wait
-    (_start_stream):
-    its programs are all resident from the start, so releasing the next kernel early takes no room from them."""
+    (_start_stream): its programs are all resident from the start, so releasing the next kernel early takes no room
+    from them."""
     k_steps = tl.cdiv(K, BLOCK_K)
     tiles_m = tl.cdiv(M, BLOCK_M)
     start = tl.program_id(0) * steps_per_program
