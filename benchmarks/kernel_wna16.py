@@ -118,6 +118,15 @@ def check(weights, bits: int, k: int) -> float:
 
 
 def candidates(m: int):
+    """_tiles(m), each stream-K tile with the PDL setting of the table's class for M (Blocks.pdl): the engine
+    measured it, and the tile that wins the class keeps it (adopt), so the sweep times them all with it."""
+    from quantship.kernels.wna16 import choose_blocks
+
+    pdl = choose_blocks(m, device=this_device()).pdl
+    return [replace(b, pdl=pdl) if b.stream else b for b in _tiles(m)]
+
+
+def _tiles(m: int):
     """Tile shapes worth timing for this M: the decode GEMVs (the float32 one and, at one row, the bf16x2
     one; one K tile per program or as many splits as fill the GPU), the swap tile (weight as the left
     tensor-core operand, x permuted) with as many rows as M needs, dequantize + cuBLAS from 32 rows on.
@@ -435,7 +444,12 @@ def runnable_ranking(r: dict) -> dict:
     from quantship.kernels.wna16 import Blocks
 
     fields = {f.name for f in dataclasses.fields(Blocks)}
-    return {int(m): [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
+
+    def blocks(m, b):  # runs from before Blocks.pdl launched the stream-K tile under PDL up to 16 rows
+        made = Blocks(**{k: v for k, v in b.items() if k in fields})
+        return replace(made, pdl=True) if "pdl" not in b and made.stream and int(m) <= 16 else made
+
+    return {int(m): [(blocks(m, b), t) for b, t in items
                      if not (b.get("pairs") and b["kind"] == "swap_dot") and not b.get("chunk_bytes")
                      and b["kind"] not in REMOVED_KINDS]
             for m, items in r["ranking"].items()}
@@ -775,7 +789,7 @@ def adopted_table(r: dict, current: list | None = None):
         if m not in ranking:  # every entry of that limit (one row has a bf16x2 and a float32 GEMV)
             table += [entry for entry in unswept if entry[0] == m]
             continue
-        table.append((m, canonical(ranking[m][0][0])))
+        table.append((m, class_pdl(canonical(ranking[m][0][0]), m, current)))
         if m == 1:
             table.append((1, fastest(1, "gemv", choose_blocks(1, bf16x2=False))))
     table.append((None, canonical(fastest(last, "dequantize", current[-1][1])) if reached else current[-1][1]))
@@ -792,6 +806,14 @@ def adopted_table(r: dict, current: list | None = None):
             break
         tinygemm_rows = m
     return merged, tinygemm_rows
+
+
+def class_pdl(b, limit: int | None, table: list):
+    """b taking the M class `limit` of `table`: a stream-K tile with the class's PDL setting (Blocks.pdl, measured
+    in the engine), whatever the sweep's run recorded; other tiles as they are."""
+    if not b.stream:
+        return b
+    return replace(b, pdl=any(ours.pdl for at, ours in table if at == limit))
 
 
 def this_device() -> str | None:
@@ -819,7 +841,7 @@ def device_tiles(r: dict) -> dict:
         theirs = min((b for b in times if b.kind == ours.kind), key=times.get)
         own.pop((limit, ours.kind), None)
         if times[theirs] < (1 - DEVICE_MIN_GAIN) * times[ours]:
-            own[(limit, ours.kind)] = theirs
+            own[(limit, ours.kind)] = class_pdl(theirs, limit, BLOCKS_BY_M)
         first = ranking[limit][0][0]
         if first.kind != ours.kind and ours.kind != "gemv":  # the float32 GEMV is the one-row fallback
             print(f"M={limit}: {_short(first)} ran fastest on the {r['device']}, another kernel than the "

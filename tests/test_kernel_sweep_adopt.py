@@ -189,3 +189,38 @@ def test_the_current_runs_section_says_whether_its_table_is_the_codes(monkeypatc
         assert claim in text and f"Its table: {table}." in text
         assert "| 16 | 160.0 | 80.0 | 2.00x |" in text  # four calls of 40 and 20 µs
         assert "| q/o_proj 4096x4096 | 1 | 40.0 | 20.0 | 1500 | 50% |" in text
+
+
+def test_a_classs_pdl_setting_stays_with_whatever_stream_tile_wins_it(monkeypatch):
+    """Blocks.pdl is the class's, measured in the engine: a stream-K tile that wins the 16-row class in a sweep
+    (adopt, adopt --device) takes the class's PDL on, one winning the 64-row class keeps it off, and a tile
+    that does not stream is left as it is; a run from before the field (no "pdl" recorded) reads as the code
+    then launched it, the stream tile under PDL up to 16 rows."""
+    stream16 = Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True, stream=3, pdl=True)
+    stream64 = Blocks("swap_bf16x2", 64, 128, 128, 0, 8, 3, tma=True, stream=2)
+    current = [(1, GEMV), (1, FLOAT_GEMV), (16, stream16), (64, stream64), (None, WHOLE)]
+    winner16 = Blocks("swap_bf16x2", 16, 64, 128, 8, 4, 3, tma=True, stream=4)
+    winner64 = replace(stream64, stream=1, pdl=True)  # a run that had timed it under PDL: the class says off
+    r = ranking(**{"1": [(GEMV, 1.0)], "16": [(winner16, 0.5), (stream16, 1.0)],
+                   "64": [(winner64, 0.5), (stream64, 1.0)], "256": [(WHOLE, 1.0)]})
+    table, _ = kernel_wna16.adopted_table(r, current=current)
+    assert (16, replace(winner16, pdl=True)) in table and (64, replace(winner64, pdl=False)) in table
+    unstreamed = Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True)
+    table, _ = kernel_wna16.adopted_table(ranking(**{"16": [(unstreamed, 0.5), (stream16, 1.0)]}), current=current)
+    assert (16, unstreamed) in table and not unstreamed.pdl
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", current)
+    r["device"] = "made up"
+    assert kernel_wna16.device_tiles(r)[(16, "swap_bf16x2")] == replace(winner16, pdl=True)
+    old = {"ranking": {"16": [({k: v for k, v in asdict(stream16).items() if k != "pdl"}, 1.0)],
+                       "64": [({k: v for k, v in asdict(stream64).items() if k != "pdl"}, 1.0)]}}
+    ranked = kernel_wna16.runnable_ranking(old)
+    assert ranked[16][0][0] == stream16 and ranked[64][0][0] == stream64
+
+
+def test_the_sweep_times_a_classs_stream_tiles_with_its_pdl_setting():
+    """Every stream-K candidate of the 16-row class carries the table's PDL setting for it, the others none."""
+    on = wna16.choose_blocks(16).pdl
+    tiles = kernel_wna16.candidates(16)
+    assert any(b.stream for b in tiles) and all(b.pdl == on for b in tiles if b.stream)
+    assert not any(b.pdl for b in tiles if not b.stream)
+    assert not any(b.pdl for b in kernel_wna16.candidates(64))

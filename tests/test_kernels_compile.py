@@ -296,8 +296,8 @@ def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):
 @pytest.mark.parametrize("setting, kernels, tiles", [(None, True, False), ("", True, False), ("1", True, True),
                                                      ("0", False, False)])
 def test_pdl_settings_say_which_kernels(monkeypatch, setting, kernels, tiles):
-    """PDL by default for every kernel but those default_off (the swap tiles but the 16-row stream-K one, the MoE
-    path's); QUANTSHIP_PDL=1 for every kernel, =0 for none."""
+    """PDL by default for every kernel but those default_off (the swap tiles but the stream-K ones of a class whose
+    Blocks.pdl is on, the MoE path's); QUANTSHIP_PDL=1 for every kernel, =0 for none."""
     from quantship.kernels import pdl_asked
 
     if setting is None:

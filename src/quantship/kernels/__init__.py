@@ -71,7 +71,7 @@ def dependent_launch(x: torch.Tensor, default_off: bool = False) -> dict:
     GPU that has it (compute capability 9.0 and later), so inside a decode step's CUDA graph each kernel's
     launch and weight loads overlap the kernel before. By default for every kernel but those `default_off`:
     the W4A16 swap tiles of batch 2-256 (but the stream-K tile up to 16 rows, 9% off the batch-16 step on an
-    H100: wna16.STREAM_PDL_MAX_M), which made the batch-16 step 6-15% slower with it on an H100 in their
+    H100: its class's Blocks.pdl), which made the batch-16 step 6-15% slower with it on an H100 in their
     pointer form and the 64-row step 18% slower, and the dequantize pass and the MoE path's kernels (routing,
     fused experts), not timed with it. The rest (the GEMVs, norms, rotary, cache writes, SwiGLU, paged
     attention) made the W4A16 batch-1 step 10-12%

@@ -37,9 +37,9 @@ tile spans quantization groups. Which runs for which M is a fixed table measured
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
-Under programmatic dependent launch (kernels.dependent_launch: by default the GEMVs and the stream-K tile up to
-STREAM_PDL_MAX_M rows, the other swap tiles and the dequantize pass with QUANTSHIP_PDL=1) the GEMVs load their
-first K tile's words and scales before waiting for the kernel before, the swap tiles (the stream-K form too; the
+Under programmatic dependent launch (kernels.dependent_launch: by default the GEMVs and the stream-K tile of
+the classes whose Blocks.pdl is on, the other swap tiles and the dequantize pass with QUANTSHIP_PDL=1) the GEMVs
+load their first K tile's words and scales before waiting for the kernel before, the swap tiles (the stream-K form too; the
 TMA tile splitting K launches without it) prefetch their first tile's words into L2, and the dequantize pass
 waits only before its stores: weights are never written during a step, x and the outputs may be.
 """
@@ -186,6 +186,12 @@ class Blocks:
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
     # compiled for sm_90 in stop 44 the 16-row swap_bf16x2 tile took 130, two more than lets four of its programs
     # share a multiprocessor (its TMA form takes 127)
+    pdl: bool = False  # the stream-K tile launched under programmatic dependent launch by default (the other swap
+    # tiles only with QUANTSHIP_PDL=1): a setting of the M class, measured in the engine (engine_throughput.py quick
+    # --pdl), not by a sweep's calls of one shape in a row, so a sweep times every stream candidate of a class with
+    # the class's setting and adopt keeps it for the tiles that take the class. On for 16 rows (H100: the batch-16
+    # step 2.74 ms against 3.00 without); off for 64 (6.34 against 5.39 with it, the next kernel's early programs
+    # slowing a longer, busier one)
 
 
 GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per program, on CUDA cores
@@ -208,7 +214,7 @@ GEMV_KINDS = ("gemv", "gemv_bf16x2")  # the kernels that take x a row per progra
 BLOCKS_BY_M = [
     (1, Blocks("gemv_bf16x2", 1, 256, 128, -1, 4, 1)),
     (1, Blocks("gemv", 1, 256, 64, -1, 2, 1)),
-    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True, stream=3)),
+    (16, Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True, stream=3, pdl=True)),
     (32, Blocks("swap_bf16x2", 32, 128, 128, 4, 4, 3, tma=True)),
     (64, Blocks("swap_bf16x2", 64, 128, 128, 0, 8, 3, x_paired=True, tma=True, stream=2)),
     (256, Blocks("swap_bf16x2", 128, 128, 128, 2, 8, 3, finish=False, rows_first=True, x_paired=True, tma=True, stream=1)),
@@ -535,10 +541,6 @@ def _quads(n: int, blocks: Blocks, spans: bool) -> bool:
     return GEMV_QUADS and n % 4 == 0 and not spans and blocks.block_n % (4 * 32 * blocks.num_warps) == 0
 
 
-# Rows up to which the stream kernel launches with PDL by default, where the other tiles take it only with
-# QUANTSHIP_PDL=1 (engine_throughput.py quick --pdl, H100): the batch-16 decode step took 2.74 ms with it against
-# 3.00 without; at 64 rows 6.34 against 5.39, the next kernel's early programs slowing a longer, busier one.
-STREAM_PDL_MAX_M = 16
 # K tiles of its run whose words the stream kernel prefetches into L2 before it waits for the kernel before, under
 # PDL: 4 made the batch-16 step 2.87 ms against 2.74 for 1 (quick --prefetch, the same run).
 STREAM_PREFETCH = 1
@@ -560,7 +562,7 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
         m, n, k, group_size, per_program, packed, packed.stride(0), packed.stride(1), HAS_ZERO=zero is not None,
         FINISH=sums is not y, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=block_k,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages, PREFETCH=STREAM_PREFETCH,
-        **dependent_launch(x2, default_off=m > STREAM_PDL_MAX_M), **constexprs)
+        **dependent_launch(x2, default_off=not blocks.pdl), **constexprs)
     return y.to(x2.dtype)
 
 
