@@ -37,10 +37,10 @@ tile spans quantization groups. Which runs for which M is a fixed table measured
 weight for PyTorch's own decode kernel; the sweeps found it faster at no row count worth its second
 copy of the weights (TINYGEMM_MAX_M), so it serves as their reference.
 
-Under programmatic dependent launch (kernels.dependent_launch: by default the GEMVs and the stream-K tile of
-the classes whose Blocks.pdl is on, the other swap tiles and the dequantize pass with QUANTSHIP_PDL=1) the GEMVs
-load their first K tile's words and scales before waiting for the kernel before, the swap tiles (the stream-K form too; the
-TMA tile splitting K launches without it) prefetch their first tile's words into L2, and the dequantize pass
+Under programmatic dependent launch (kernels.dependent_launch: by default the GEMVs and the stream-K tile of the
+classes whose Blocks.pdl is on, the other swap tiles and the dequantize pass with QUANTSHIP_PDL=1) the GEMVs load
+their first K tile's words and scales before waiting for the kernel before, the swap tiles (the stream-K form too;
+the TMA tile splitting K launches without it) prefetch their first tile's words into L2, and the dequantize pass
 waits only before its stores: weights are never written during a step, x and the outputs may be.
 """
 
