@@ -770,8 +770,9 @@ STEP_PROFILE = (  # from benchmarks/results/profiles/engine_quick_h200_s49_no_pd
     "the H200's copy bandwidth); paged decode attention 6.0 µs a layer (10%); the two norms 1.9 µs each (6.5%); the "
     "bf16 lm_head 65 µs a step (3.4%); the K/V write 1.3 µs a layer; about 20 one-off kernels a step (rotary "
     "tables, sampling, the inputs) 1-2 µs each. At batch 16 the stream-K tiles take 69%, 15.4 µs a call and 62 µs "
-    "a layer (1.6 TB/s), paged decode attention 16.2 µs a layer (18%, about a third of the bandwidth its 25 MB of "
-    "K/V would allow), norms 2.1 µs each, SwiGLU's product 1.4 µs and the K/V write 1.8 µs a layer, lm_head 66 µs "
+    "a layer (1.6 TB/s), paged decode attention 16.2 µs a layer (18%: its 16 sequences of 128-192 keys read about "
+    "40 MB of K/V a layer, about 2.6 TB/s, as the kernel benchmark's 60-72% of the copy bandwidth at 128-256 keys), "
+    "norms 2.1 µs each, SwiGLU's product 1.4 µs and the K/V write 1.8 µs a layer, lm_head 66 µs "
     "and the embedding's index_select 20 µs a step. What keeps the W4A16 calls from the bandwidth on an H200 is a "
     "per-call cost of about 6 µs at batch 1 and 10 µs at batch 16 beyond their bytes' time, more of the call than "
     "on an H100, whose bandwidth is lower.")

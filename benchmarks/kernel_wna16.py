@@ -444,12 +444,7 @@ def runnable_ranking(r: dict) -> dict:
     from quantship.kernels.wna16 import Blocks
 
     fields = {f.name for f in dataclasses.fields(Blocks)}
-
-    def blocks(m, b):  # runs from before Blocks.pdl launched the stream-K tile under PDL up to 16 rows
-        made = Blocks(**{k: v for k, v in b.items() if k in fields})
-        return replace(made, pdl=True) if "pdl" not in b and made.stream and int(m) <= 16 else made
-
-    return {int(m): [(blocks(m, b), t) for b, t in items
+    return {int(m): [(Blocks(**{k: v for k, v in b.items() if k in fields}), t) for b, t in items
                      if not (b.get("pairs") and b["kind"] == "swap_dot") and not b.get("chunk_bytes")
                      and b["kind"] not in REMOVED_KINDS]
             for m, items in r["ranking"].items()}
