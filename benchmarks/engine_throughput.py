@@ -797,7 +797,11 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H200, stop 49, after the full run above: profiled, PDL off (`QUANTSHIP_PDL=0 quick --batches 1 16 "
+    "": {"H100, stop 51 (`quick --batches 1 --shared-table --quads`, alternating): the one-row GEMV in 512x64 "
+         "tiles capped at 128 registers (that machine's sweep winner, adopted there only), the same adding its K "
+         "split's sums four at once (a 1.3% shorter step, level tok/s: GEMV_QUADS stays off), and the table's "
+         "256x128": "_s51_quads",
+         "H200, stop 49, after the full run above: profiled, PDL off (`QUANTSHIP_PDL=0 quick --batches 1 16 "
          "--profile`; both sides without it)": "_s49_profile_no_pdl",
          "H200, stop 49, the same machine: profiled, PDL by default (the stream-K tile up to 16 rows with it)":
          "_s49_profile_b",

@@ -622,6 +622,16 @@ PARTIAL_SWEEPS = {
                                   "more than noise (16 rows the adopted tile first, 65.0 µs a layer; 32 rows unpaired "
                                   "in stream form 80.7 against 81.9 for the adopted K split; 64 rows 108.8-108.9 for "
                                   "the adopted tile), so the table stays",
+    "kernel_wna16_gemv_registers": "the one-row GEMV's tiles with ptxas' register cap (stop 51, H100): 512x64 "
+                                   "capped at 128 registers 49.67 µs a layer, uncapped 49.69, 512x128 (the "
+                                   "H100's own tile) 50.34 in the sweep and 49.2 in the run's own rows, the "
+                                   "table's 256x128 51.72: the cap changes nothing and the leaders are within "
+                                   "noise, so DEVICE_TILES stays. The same machine timed the table's calls with "
+                                   "the GEMV adding its sums four at once (`run --quads`): fused QKV 12.3 against "
+                                   "12.2 µs, gate+up 19.1 against 18.8",
+    "kernel_wna16_stream16": "the stream-K tiles at 16 rows (stop 51, H100): the table's 128x128, 3 stages, 3 "
+                             "programs a multiprocessor, K split 8 finished in the kernel, under PDL led (58.45 µs "
+                             "a layer; unfinished 58.61, 256 deep 58.88, 4 stages 61.59); the table stays",
 }
 
 

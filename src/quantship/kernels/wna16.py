@@ -527,9 +527,9 @@ def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int
 
 # Whether the bf16x2 GEMV adds its K split's sums into the workspace four per vector reduction
 # (red.global.add.v4.f32) rather than one atomic operation per sum (_quads): a quarter of the atomic traffic of its
-# one-K-tile programs, which make one per 64 weights in an H200's 512x64 tiles. Off until a GPU has timed it and
-# run its test (`kernel_wna16.py run --quads`, test_bf16x2_gemv_adding_its_sums_four_at_once_equals_the_reference):
-# written in a session whose GPU time had run out.
+# one-K-tile programs, which make one per 64 weights in an H200's 512x64 tiles. Off: on an H100 (stop 51) its test
+# passed, the layer's calls took the same time (`kernel_wna16.py run --quads`) and the engine's batch-1 step was 1.3%
+# shorter at level tok/s (`engine_throughput.py quick --quads`); an H200, where the atomics weigh more, has not timed it.
 GEMV_QUADS = False
 
 
