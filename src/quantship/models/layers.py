@@ -32,7 +32,8 @@ def embed(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """table(ids), gathered by indexing for 2-16 ids. nn.Embedding goes through index_select, whose CUDA
     kernel for 16 ids or fewer walks the ids one after another in each thread: 8.1 µs for a batch-16 decode
     step's 16 rows against 1.8 by indexing (H100, in a CUDA graph: benchmarks/embedding_gather.py). One row
-    is faster through nn.Embedding (1.9 against 3.2 µs), 64 level."""
+    is faster through nn.Embedding (1.9 against 3.2 µs), 64 level. Ids must be in range, as the server and
+    tokenizer give them: indexing would take a negative id from the end where nn.Embedding raises."""
     if 1 < ids.numel() <= 16:
         return table.weight[ids]
     return table(ids)
