@@ -10,7 +10,7 @@ from quantship.kernels import elementwise
 from quantship.models import layers as layer_parts
 from quantship.models.config import LLAMA, QWEN2, QWEN3, ModelConfig
 from quantship.models.deepseek import deepseek_layer
-from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm, embed, embedding
+from quantship.models.layers import ContiguousCache, DecoderLayer, RMSNorm, embedding
 from quantship.models.llama import llama_layer
 from quantship.models.qwen import qwen_layer
 
@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[-1], device=input_ids.device)
-        x = embed(self.model.embed_tokens, input_ids)
+        x = self.model.embed_tokens(input_ids)
         if layer_parts.use_fused_ops(x):  # each residual step inside the norm after it (DecoderLayer.deferred)
             pending = None
             for i, layer in enumerate(self.model.layers):

@@ -19,24 +19,26 @@ def use_fused_ops(x: torch.Tensor) -> bool:
     return on_gpu_kernel(x) and not torch.is_grad_enabled()
 
 
-def embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
-    """nn.Embedding, without its random init when built on the meta device (the loader's skeleton):
+class Embedding(nn.Embedding):
+    """nn.Embedding that gathers 2-16 ids by indexing. nn.Embedding goes through index_select, whose CUDA
+    kernel for 16 ids or fewer walks the ids one after another in each thread: 8.1 µs for a batch-16 decode
+    step's 16 rows against 1.8 by indexing (H100, in a CUDA graph: benchmarks/embedding_gather.py). One row
+    is faster through index_select (1.9 against 3.2 µs), 64 level. Ids must be in range, as the server and
+    tokenizer give them: indexing would take a negative id from the end where index_select raises."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if 1 < ids.numel() <= 16:
+            return self.weight[ids]
+        return super().forward(ids)
+
+
+def embedding(vocab_size: int, hidden_size: int) -> Embedding:
+    """Embedding, without its random init when built on the meta device (the loader's skeleton):
     there, normal_ runs through torch's Python reference ops, whose first use imports torch._dynamo,
     2.5-4.5 s of every process that loads a model."""
     if torch.get_default_device().type == "meta":
-        return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
-    return nn.Embedding(vocab_size, hidden_size)
-
-
-def embed(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """table(ids), gathered by indexing for 2-16 ids. nn.Embedding goes through index_select, whose CUDA
-    kernel for 16 ids or fewer walks the ids one after another in each thread: 8.1 µs for a batch-16 decode
-    step's 16 rows against 1.8 by indexing (H100, in a CUDA graph: benchmarks/embedding_gather.py). One row
-    is faster through nn.Embedding (1.9 against 3.2 µs), 64 level. Ids must be in range, as the server and
-    tokenizer give them: indexing would take a negative id from the end where nn.Embedding raises."""
-    if 1 < ids.numel() <= 16:
-        return table.weight[ids]
-    return table(ids)
+        return Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+    return Embedding(vocab_size, hidden_size)
 
 
 class RMSNorm(nn.Module):
