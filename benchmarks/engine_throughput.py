@@ -578,16 +578,18 @@ def words_along_k(along_k: bool | None):
 
 
 @contextlib.contextmanager
-def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False):
+def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, gemv=None, norm_fold: bool = True):
     """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
     engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "no_stream", its
     stream-K tiles splitting K in equal parts instead (Blocks.stream 0, each tile's split_k as adopted);
     "shared_table", the table every GPU shares, without this GPU's own tiles (DEVICE_TILES empty: what
     `adopt --device` gained, alternating, where --table-only runs a whole quick run so); None, the table as it
     is. `prefetch`: K tiles the stream-K tiles prefetch under PDL (kernels.wna16.STREAM_PREFETCH; 0: as it is).
-    `quads`: the GEMV adds its sums four per vector reduction (kernels.wna16.GEMV_QUADS; False: as it is). The
-    code's table is back after, errors included."""
+    `quads`: the GEMV adds its sums four per vector reduction (kernels.wna16.GEMV_QUADS; False: as it is). `gemv`:
+    this GPU's one-row GEMV in these tiles (a Blocks; None: as it is). `norm_fold` False: every norm a launch of its
+    own (models.layers.NORM_IN_GEMV). The code's table is back after, errors included."""
     from quantship.kernels import wna16
+    from quantship.models import layers
 
     def varied(b):
         if variant == "no_tma":
@@ -597,9 +599,13 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False):
         return b
 
     table, own, ahead, fours = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH, wna16.GEMV_QUADS
-    wna16.STREAM_PREFETCH, wna16.GEMV_QUADS = prefetch or ahead, quads or fours
+    folds = layers.NORM_IN_GEMV
+    wna16.STREAM_PREFETCH, wna16.GEMV_QUADS, layers.NORM_IN_GEMV = prefetch or ahead, quads or fours, folds and norm_fold
     if variant == "shared_table":
         wna16.DEVICE_TILES = {}
+    elif gemv is not None:
+        device = torch.cuda.get_device_name()
+        wna16.DEVICE_TILES = {**own, device: {**own.get(device, {}), (1, "gemv_bf16x2"): gemv}}
     elif variant:
         wna16.BLOCKS_BY_M = [(limit, varied(b)) for limit, b in table]
         wna16.DEVICE_TILES = {name: {key: varied(b) for key, b in tiles.items()} for name, tiles in own.items()}
@@ -607,12 +613,14 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False):
         yield
     finally:
         wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH, wna16.GEMV_QUADS = table, own, ahead, fours
+        layers.NORM_IN_GEMV = folds
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
           no_tma: bool = False, no_stream: bool = False, shared_table: bool = False, prefetch: int = 0,
-          quads: bool = False) -> None:
+          quads: bool = False, gemv_tile: tuple[int, int, int] | None = None, gemv_words: str = "n",
+          no_norm_fold: bool = False) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the swap tiles past 16 rows). `pdl`: each side with it off, on for every
@@ -624,7 +632,9 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     instead (w4a16_no_stream, table_variant). `shared_table`: the same through the table every GPU shares,
     without this GPU's own tiles (w4a16_shared_table). `prefetch`: W4A16 also with PDL on for every kernel and the
     stream-K tiles prefetching that many K tiles before their wait (w4a16_pdl_prefetch), alternating. `quads`: W4A16
-    also with the GEMV adding its sums four per vector reduction (w4a16_quads), alternating."""
+    also with the GEMV adding its sums four per vector reduction (w4a16_quads), alternating. `gemv_tile` (outputs,
+    inputs, warps): W4A16 also with the one-row GEMV in those tiles, its words held along `gemv_words` (w4a16_gemv_tile),
+    alternating. `no_norm_fold`: W4A16 also with every norm a launch of its own (w4a16_no_norm_fold), alternating."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -639,7 +649,11 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("no_stream", no_stream),
                                                                    ("shared_table", shared_table),
                                                                    ("pdl_prefetch", prefetch),
-                                                                   ("quads", quads)) if asked}
+                                                                   ("quads", quads),
+                                                                   ("no_norm_fold", no_norm_fold)) if asked}
+    if gemv_tile:
+        with words_along_k(gemv_words == "k"):
+            variants["w4a16_gemv_tile"] = quantized_copy(ours)
     from quantship.engine.config import EngineConfig
 
     most = max(batches)
@@ -655,7 +669,11 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
         sides["w4a16_words_k"] = (w4_k, None)
     sides |= {name: (model, True if name == "w4a16_pdl_prefetch" else None) for name, model in variants.items()}
 
-    knobs = {"w4a16_pdl_prefetch": {"prefetch": prefetch}, "w4a16_quads": {"quads": True}}  # sides of one setting
+    from quantship.kernels.wna16 import Blocks
+
+    knobs = {"w4a16_pdl_prefetch": {"prefetch": prefetch}, "w4a16_quads": {"quads": True},  # sides of one setting
+             "w4a16_gemv_tile": {"gemv": gemv_tile and Blocks("gemv_bf16x2", 1, *gemv_tile[:2], -1, gemv_tile[2], 1)},
+             "w4a16_no_norm_fold": {"norm_fold": False}}
 
     def kernels(name):  # the kernel table a side runs
         if name in knobs:
@@ -931,6 +949,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
                                           ("_pdl_prefetch", "bf16_pdl", ", PDL on, the stream-K tiles prefetching "
                                                                         "`--prefetch` K tiles"),
                                           ("_quads", "bf16", ", the GEMV adding its sums four at once"),
+                                          ("_gemv_tile", "bf16", ", the one-row GEMV in `--gemv-tile` tiles"),
+                                          ("_no_norm_fold", "bf16", ", every norm a launch of its own"),
                                           ("_words_k", "bf16", ", packed words held along K"),
                                           ("_no_tma", "bf16", ", the tiles without TMA"),
                                           ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles"),
@@ -1092,6 +1112,13 @@ def main() -> None:
     q.add_argument("--quads", action="store_true",
                    help="also time W4A16 with the one-row GEMV adding its K split's sums four per vector reduction "
                         "(kernels.wna16.GEMV_QUADS; w4a16_quads), alternating")
+    q.add_argument("--gemv-tile", type=int, nargs=3, metavar=("OUTPUTS", "INPUTS", "WARPS"),
+                   help="also time W4A16 with the one-row GEMV in these tiles (w4a16_gemv_tile), alternating")
+    q.add_argument("--gemv-words", choices=("n", "k"), default="n",
+                   help="the --gemv-tile side's packed words held along N (the default) or along K")
+    q.add_argument("--no-norm-fold", action="store_true",
+                   help="also time W4A16 with every norm a launch of its own, not made in the GEMV after it "
+                        "(models.layers.NORM_IN_GEMV; w4a16_no_norm_fold), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1115,7 +1142,7 @@ def main() -> None:
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
               args.pdl, args.words, args.no_tma, args.no_stream,
-              args.shared_table, args.prefetch, args.quads)
+              args.shared_table, args.prefetch, args.quads, args.gemv_tile, args.gemv_words, args.no_norm_fold)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -158,6 +158,12 @@ def _tiles(m: int):
         out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1, max_registers=cap)
                 for bn, bk, warps, cap in ((512, 64, 4, 168), (512, 64, 4, 128), (256, 128, 4, 168),
                                            (256, 64, 2, 168), (256, 64, 2, 128), (512, 128, 4, 168))]
+        # narrow and deep (`--kinds narrow`): 16-128 outputs by 256-2,048 inputs a program, K split in a few tiles
+        # or none (one store, no atomics, for K up to the depth), the same 4-16 KB of words a program as the wide
+        # tiles: fewer partial sums and round trips through L2 after the wait, shorter runs of words along N
+        out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1) for bn, bk, warps in (
+            (16, 2048, 4), (32, 1024, 4), (64, 512, 4), (32, 2048, 8), (64, 1024, 8), (128, 512, 8), (32, 512, 2),
+            (64, 256, 2))]
         # (a few K tiles per program, K split 8 or 16, pipelined or not, were swept once, kernel_wna16_gemv_splits:
         # 15-45% behind one K tile per program, so no candidates)
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
@@ -258,8 +264,11 @@ def _tiles(m: int):
 
 def kind_of(blocks) -> str:
     """What `--kinds` names a candidate by: its kernel, "stream" for swap_bf16x2 through TMA in equal runs of all
-    the K tiles (Blocks.stream), "tma" for swap_bf16x2 loading through TMA (Blocks.tma), or "paired" for
-    swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired)."""
+    the K tiles (Blocks.stream), "tma" for swap_bf16x2 loading through TMA (Blocks.tma), "paired" for
+    swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired), or "narrow" for the one-row GEMV's
+    tiles of at most 128 outputs by 256 inputs or more."""
+    if blocks.kind == "gemv_bf16x2" and blocks.block_n <= 128 and blocks.block_k >= 256:
+        return "narrow"
     return "stream" if blocks.stream else "tma" if blocks.tma else "paired" if blocks.x_paired else blocks.kind
 
 
