@@ -578,7 +578,7 @@ def words_along_k(along_k: bool | None):
 
 
 @contextlib.contextmanager
-def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, gemv=None, norm_fold: bool = True):
+def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, gemv=None):
     """The kernel table's tiles (kernels.wna16.BLOCKS_BY_M, DEVICE_TILES) as a `quick` side runs them, for the
     engines built and run inside: "no_tma", every tile loading without TMA (Blocks.tma False); "no_stream", its
     stream-K tiles splitting K in equal parts instead (Blocks.stream 0, each tile's split_k as adopted);
@@ -586,10 +586,9 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, g
     `adopt --device` gained, alternating, where --table-only runs a whole quick run so); None, the table as it
     is. `prefetch`: K tiles the stream-K tiles prefetch under PDL (kernels.wna16.STREAM_PREFETCH; 0: as it is).
     `quads`: the GEMV adds its sums four per vector reduction (kernels.wna16.GEMV_QUADS; False: as it is). `gemv`:
-    this GPU's one-row GEMV in these tiles (a Blocks; None: as it is). `norm_fold` False: every norm a launch of its
-    own (models.layers.NORM_IN_GEMV). The code's table is back after, errors included."""
+    this GPU's one-row GEMV in these tiles (a Blocks; None: as it is). The code's table is back after, errors
+    included."""
     from quantship.kernels import wna16
-    from quantship.models import layers
 
     def varied(b):
         if variant == "no_tma":
@@ -599,8 +598,7 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, g
         return b
 
     table, own, ahead, fours = wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH, wna16.GEMV_QUADS
-    folds = layers.NORM_IN_GEMV
-    wna16.STREAM_PREFETCH, wna16.GEMV_QUADS, layers.NORM_IN_GEMV = prefetch or ahead, quads or fours, folds and norm_fold
+    wna16.STREAM_PREFETCH, wna16.GEMV_QUADS = prefetch or ahead, quads or fours
     if variant == "shared_table":
         wna16.DEVICE_TILES = {}
     elif gemv is not None:
@@ -613,14 +611,12 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, g
         yield
     finally:
         wna16.BLOCKS_BY_M, wna16.DEVICE_TILES, wna16.STREAM_PREFETCH, wna16.GEMV_QUADS = table, own, ahead, fours
-        layers.NORM_IN_GEMV = folds
 
 
 def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batches: tuple[int, ...] = (1, 16),
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
           no_tma: bool = False, no_stream: bool = False, shared_table: bool = False, prefetch: int = 0,
-          quads: bool = False, gemv_tile: tuple[int, int, int] | None = None, gemv_words: str = "n",
-          no_norm_fold: bool = False) -> None:
+          quads: bool = False, gemv_tile: tuple[int, int, int] | None = None, gemv_words: str = "n") -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the swap tiles past 16 rows). `pdl`: each side with it off, on for every
@@ -634,7 +630,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     stream-K tiles prefetching that many K tiles before their wait (w4a16_pdl_prefetch), alternating. `quads`: W4A16
     also with the GEMV adding its sums four per vector reduction (w4a16_quads), alternating. `gemv_tile` (outputs,
     inputs, warps): W4A16 also with the one-row GEMV in those tiles, its words held along `gemv_words` (w4a16_gemv_tile),
-    alternating. `no_norm_fold`: W4A16 also with every norm a launch of its own (w4a16_no_norm_fold), alternating."""
+    alternating."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -649,8 +645,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     variants = {f"w4a16_{v}": quantized_copy(ours) for v, asked in (("no_tma", no_tma), ("no_stream", no_stream),
                                                                    ("shared_table", shared_table),
                                                                    ("pdl_prefetch", prefetch),
-                                                                   ("quads", quads),
-                                                                   ("no_norm_fold", no_norm_fold)) if asked}
+                                                                   ("quads", quads)) if asked}
     if gemv_tile:
         with words_along_k(gemv_words == "k"):
             variants["w4a16_gemv_tile"] = quantized_copy(ours)
@@ -672,8 +667,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     from quantship.kernels.wna16 import Blocks
 
     knobs = {"w4a16_pdl_prefetch": {"prefetch": prefetch}, "w4a16_quads": {"quads": True},  # sides of one setting
-             "w4a16_gemv_tile": {"gemv": gemv_tile and Blocks("gemv_bf16x2", 1, *gemv_tile[:2], -1, gemv_tile[2], 1)},
-             "w4a16_no_norm_fold": {"norm_fold": False}}
+             "w4a16_gemv_tile": {"gemv": gemv_tile and Blocks("gemv_bf16x2", 1, *gemv_tile[:2], -1, gemv_tile[2], 1)}}
 
     def kernels(name):  # the kernel table a side runs
         if name in knobs:
@@ -815,7 +809,11 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 51 (`quick --batches 1 --shared-table --quads`, alternating): the one-row GEMV in 512x64 "
+    "": {"H100, stop 52 (`quick --batches 1 --quads --no-norm-fold --gemv-tile 64 256 2`, alternating): W4A16 with "
+         "each decode step's norms made in the packed GEMV after them (commit 8ef2a10, reverted after this run), "
+         "with every norm a launch of its own (the code since), with the GEMV adding its sums four at once, and "
+         "with the one-row GEMV in 64x256 tiles": "_s52_h100",
+         "H100, stop 51 (`quick --batches 1 --shared-table --quads`, alternating): the one-row GEMV in 512x64 "
          "tiles capped at 128 registers (that machine's sweep winner, adopted there only), the same adding its K "
          "split's sums four at once (a 1.3% shorter step, level tok/s: GEMV_QUADS stays off), and the table's "
          "256x128": "_s51_quads",
@@ -950,7 +948,8 @@ def quick_rerun_note(suffix: str) -> list[str]:
                                                                         "`--prefetch` K tiles"),
                                           ("_quads", "bf16", ", the GEMV adding its sums four at once"),
                                           ("_gemv_tile", "bf16", ", the one-row GEMV in `--gemv-tile` tiles"),
-                                          ("_no_norm_fold", "bf16", ", every norm a launch of its own"),
+                                          ("_no_norm_fold", "bf16", ", every norm a launch of its own (the code "
+                                                                    "kept: the norms made in the GEMVs were reverted)"),
                                           ("_words_k", "bf16", ", packed words held along K"),
                                           ("_no_tma", "bf16", ", the tiles without TMA"),
                                           ("_stream", "bf16", ", the TMA tiles in equal runs of all K tiles"),
@@ -1116,9 +1115,6 @@ def main() -> None:
                    help="also time W4A16 with the one-row GEMV in these tiles (w4a16_gemv_tile), alternating")
     q.add_argument("--gemv-words", choices=("n", "k"), default="n",
                    help="the --gemv-tile side's packed words held along N (the default) or along K")
-    q.add_argument("--no-norm-fold", action="store_true",
-                   help="also time W4A16 with every norm a launch of its own, not made in the GEMV after it "
-                        "(models.layers.NORM_IN_GEMV; w4a16_no_norm_fold), alternating")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1142,7 +1138,7 @@ def main() -> None:
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
               args.pdl, args.words, args.no_tma, args.no_stream,
-              args.shared_table, args.prefetch, args.quads, args.gemv_tile, args.gemv_words, args.no_norm_fold)
+              args.shared_table, args.prefetch, args.quads, args.gemv_tile, args.gemv_words)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -158,12 +158,8 @@ def _tiles(m: int):
         out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1, max_registers=cap)
                 for bn, bk, warps, cap in ((512, 64, 4, 168), (512, 64, 4, 128), (256, 128, 4, 168),
                                            (256, 64, 2, 168), (256, 64, 2, 128), (512, 128, 4, 168))]
-        # narrow and deep (`--kinds narrow`): 16-128 outputs by 256-2,048 inputs a program, K split in a few tiles
-        # or none (one store, no atomics, for K up to the depth), the same 4-16 KB of words a program as the wide
-        # tiles: fewer partial sums and round trips through L2 after the wait, shorter runs of words along N
-        out += [Blocks("gemv_bf16x2", 1, bn, bk, -1, warps, 1) for bn, bk, warps in (
-            (16, 2048, 4), (32, 1024, 4), (64, 512, 4), (32, 2048, 8), (64, 1024, 8), (128, 512, 8), (32, 512, 2),
-            (64, 256, 2))]
+        # (narrow and deep tiles, 16-128 outputs by 256-2,048 inputs a program, were swept once with the words along
+        # N and along K, kernel_wna16_narrow_h100 and _k: 16-140% behind the H100's 512x128, so no candidates)
         # (a few K tiles per program, K split 8 or 16, pipelined or not, were swept once, kernel_wna16_gemv_splits:
         # 15-45% behind one K tile per program, so no candidates)
         # the swap tile's bf16 pairs need far fewer instructions per value than the GEMV's float32 sums
@@ -264,11 +260,8 @@ def _tiles(m: int):
 
 def kind_of(blocks) -> str:
     """What `--kinds` names a candidate by: its kernel, "stream" for swap_bf16x2 through TMA in equal runs of all
-    the K tiles (Blocks.stream), "tma" for swap_bf16x2 loading through TMA (Blocks.tma), "paired" for
-    swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired), or "narrow" for the one-row GEMV's
-    tiles of at most 128 outputs by 256 inputs or more."""
-    if blocks.kind == "gemv_bf16x2" and blocks.block_n <= 128 and blocks.block_k >= 256:
-        return "narrow"
+    the K tiles (Blocks.stream), "tma" for swap_bf16x2 loading through TMA (Blocks.tma), or "paired" for
+    swap_bf16x2 taking x copied to the pair order first (Blocks.x_paired)."""
     return "stream" if blocks.stream else "tma" if blocks.tma else "paired" if blocks.x_paired else blocks.kind
 
 
@@ -641,6 +634,15 @@ PARTIAL_SWEEPS = {
     "kernel_wna16_stream16": "the stream-K tiles at 16 rows (stop 51, H100): the table's 128x128, 3 stages, 3 "
                              "programs a multiprocessor, K split 8 finished in the kernel, under PDL led (58.45 µs "
                              "a layer; unfinished 58.61, 256 deep 58.88, 4 stages 61.59); the table stays",
+    "kernel_wna16_narrow_h100": "the one-row GEMV in narrow, deep tiles (stop 52, H100; `--kinds narrow`, candidates "
+                                "since removed): 16-128 outputs by 256-2,048 inputs a program, the same 4-16 KB of "
+                                "words as the wide tiles with fewer partial sums (none for K up to the depth). The "
+                                "H100's own 512x128 led at 49.8 µs a layer; the nearest, 64x256 with 2 warps, 57.6; "
+                                "16x2048 76.9; 128x512 with 8 warps 111.4. In the engine (`quick --gemv-tile 64 256 "
+                                "2`, the same machine) the batch-1 step took 2.42 ms against 2.24",
+    "kernel_wna16_narrow_k_h100": "the same narrow tiles with the packed words held along K (`--words k`), each "
+                                  "output's words contiguous for a deep tile's loads: 512x128 59.0 µs a layer, the "
+                                  "narrow ones 65.3-119.6. Neither layout lets a narrow tile lead",
 }
 
 

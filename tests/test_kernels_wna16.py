@@ -644,81 +644,6 @@ def test_an_mlp_with_packed_projections_makes_swiglus_product_in_the_down_gemv(m
         assert products == [(3, inter)]
 
 
-@pytest.mark.parametrize("bits,group,symmetric,k", [(4, 32, False, 200), (4, 128, True, 512), (8, 64, True, 96)])
-def test_a_normed_gemv_makes_the_residual_step_and_the_norm_in_its_loads(bits, group, symmetric, k, monkeypatch):
-    """normed_matmul(x, delta, weight) gives x + delta exactly and equals the Linear of
-    rms_norm(x + delta) * weight (elementwise.add_rms_norm, then the reference matmul): for one row (the table's
-    GEMV), for a few rows run as GEMV rows, and for a tile that covers all of K in one program (no split, the
-    scale applied before its store). A K split added into float32 without finishing in the kernel cannot
-    scale its sums: the call falls back to the norm's own launch, with the same result."""
-    from quantship.kernels import elementwise
-
-    n = 48
-    values, scale, zero = random_quantized(n, k, bits, group, symmetric, seed=k + bits + 1)
-    packed = wna16.pack(values, bits).to(DEVICE)
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    scale, zero = scale.to(DEVICE, dtype), None if zero is None else zero.to(DEVICE)
-    g = torch.Generator().manual_seed(k)
-    x, delta = ((torch.randn(3, k, generator=g) * 4).to(DEVICE, dtype) for _ in range(2))
-    weight = (torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype)
-    norms = []
-    real = elementwise.add_rms_norm
-    monkeypatch.setattr(elementwise, "add_rms_norm", lambda *a: norms.append(1) or real(*a))
-    for rows, blocks, own_launch in ((1, None, False), (3, wna16.Blocks("gemv", 1, 32, 64, -1, 2, 1), False),
-                                     (2, wna16.Blocks("gemv", 1, 16, 1024, 1, 2, 1), False),
-                                     (1, wna16.Blocks("gemv", 1, 32, 64, -1, 2, 1, finish=False), True)):
-        norms.clear()
-        total, normed = real(x[:rows], delta[:rows], weight, 1e-6)
-        expected = wna16.reference_matmul(normed, packed, scale, zero, bits, k, group)
-        got_total, out = wna16.normed_matmul(x[:rows], delta[:rows], weight, 1e-6, packed, scale, zero, bits, k, group,
-                                             blocks=blocks)
-        assert torch.equal(got_total, total) and out.shape == (rows, n) and out.dtype == dtype
-        error = (out.float() - expected).norm() / expected.norm()
-        # bf16: the input rounded once, as round(total * weight), where the norm kernel rounds total / rms first
-        assert error < (1e-5 if DEVICE == "cpu" else 1e-2), (rows, blocks, error.item())
-        assert bool(norms) == own_launch, blocks
-    assert wna16.takes_norm(1, x, bits) and not wna16.takes_norm(2, x, bits)
-    with pytest.raises(ValueError, match="GEMV only"):
-        wna16.normed_matmul(x, delta, weight, 1e-6, packed, scale, zero, bits, k, group)
-
-
-def test_an_mlp_makes_the_norm_before_it_in_its_gate_up_gemv(monkeypatch):
-    """On the fused-ops path (the GPU's, here under the interpreter) a decoder layer's post-attention residual step
-    and norm go into the MLP's merged, packed gate and up GEMV for one row (MLP.forward_normed, no norm kernel
-    launched), with the output of the norm then the MLP; a batch of rows is left to the norm's own launch (None)."""
-    from quantship.kernels import elementwise
-    from quantship.models import layers, quantized
-    from quantship.models.merged import merge_projections
-
-    hidden, inter, group = 64, 96, 32
-
-    def packed(out, inp, seed):
-        values, scale, zero = random_quantized(out, inp, 4, group, False, seed)
-        return quant_linear(values, scale.t(), zero.t(), bits=4)
-
-    mlp = layers.MLP(hidden, inter)
-    mlp.gate_proj, mlp.up_proj, mlp.down_proj = packed(inter, hidden, 4), packed(inter, hidden, 5), packed(hidden, inter, 6)
-    norm = layers.RMSNorm(hidden)
-    g = torch.Generator().manual_seed(1)
-    norm.weight.data = torch.rand(hidden, generator=g) + 0.5
-    mlp.to(DEVICE), norm.to(DEVICE)
-    x, delta = ((torch.randn(3, hidden, generator=g) * 5).to(DEVICE) for _ in range(2))
-    norms = []
-    real = elementwise.add_rms_norm
-    with torch.no_grad():
-        assert mlp.forward_normed(x[:1], delta[:1], norm) is None  # not merged: no GEMV takes the norm
-        assert merge_projections(mlp) == 1
-        monkeypatch.setattr(layers, "use_fused_ops", lambda t: True)
-        monkeypatch.setattr(quantized, "on_gpu_kernel", lambda t: True)
-        total, normed = real(x, delta, norm.weight, norm.eps)
-        expected = mlp(normed)
-        monkeypatch.setattr(elementwise, "add_rms_norm", lambda *a: norms.append(1) or real(*a))
-        got_total, out = mlp.forward_normed(x[:1], delta[:1], norm)
-        assert norms == [] and torch.equal(got_total, total[:1])
-        torch.testing.assert_close(out, expected[:1], rtol=1e-4, atol=1e-5)
-        assert mlp.forward_normed(x, delta, norm) is None  # 3 rows take the swap_x tile, which makes no norm
-
-
 @pytest.mark.parametrize("bits,group,symmetric,n,k", [(4, 32, False, 200, 96), (4, 128, True, 136, 256),
                                                       (8, 64, False, 72, 128)])
 def test_dequantize_then_matmul_equals_the_reference(bits, group, symmetric, n, k):
@@ -762,7 +687,7 @@ def test_dequantizing_starts_at_the_tables_first_dequantize_class(monkeypatch):
 def pairs_kernel(x_ptr, out_ptr, K, k0, ROWS: tl.constexpr, GATED: tl.constexpr):
     """Writes the bf16x2 GEMV's x pairs of one K tile ([R, 4] int32)."""
     r = tl.arange(0, ROWS)
-    p0, p1, p2, p3 = _x_pairs(x_ptr, k0, r, K, GATED, False, x_ptr, x_ptr)
+    p0, p1, p2, p3 = _x_pairs(x_ptr, k0, r, K, GATED)
     rows = out_ptr + r[:, None] * 4
     tl.store(rows, p0)
     tl.store(rows + 1, p1)

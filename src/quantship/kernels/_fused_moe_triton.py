@@ -234,7 +234,7 @@ def _slot_gemv(x_row, w_ptr, s_ptr, z_ptr, e, offs_n, K, N, group_size, k_begin,
     acc = gemv_acc(ROWS, BLOCK_N, SPANS)
     for k0 in range(k_begin, k_end, BLOCK_K):
         acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, tl.cdiv(K, 32 // BITS), N, K, N, 1,
-                        group_size, BITS, HAS_ZERO, SPANS, BF16X2, False, False, False, x_row, x_row)
+                        group_size, BITS, HAS_ZERO, SPANS, BF16X2, False)
     return _row_sums(acc, SPANS)
 
 
@@ -260,7 +260,7 @@ def _slot_gemv_gate_up(x_row, gate_ptr, gate_s_ptr, gate_z_ptr, up_ptr, up_s_ptr
                                            HAS_ZERO, SPANS)
         up_scale, up_base = _tile_meta(up_s_ptr, up_z_ptr, rows, k0, offs_n, word_rows, N, group_size, BITS,
                                        HAS_ZERO, SPANS)
-        xs = gemv_x(x_row, k0, r, K, BITS, BF16X2, False, False, x_row, x_row)
+        xs = gemv_x(x_row, k0, r, K, BITS, BF16X2, False)
         gate = gemv_product(gate, (gate_w, gate_hi, gate_scale, gate_base), xs, BITS, HAS_ZERO, SPANS, BF16X2)
         up = gemv_product(up, (up_w, up_hi, up_scale, up_base), xs, BITS, HAS_ZERO, SPANS, BF16X2)
     return _row_sums(gate, SPANS), _row_sums(up, SPANS)

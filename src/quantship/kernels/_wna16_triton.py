@@ -195,31 +195,6 @@ def _finish_split(ws_ptrs, y_ptrs, mask, counter_ptr, splits):
 
 
 @triton.jit
-def _finish_normed(ws_ptrs, y_ptrs, mask, counter_ptr, splits, x_row, d_row, K, eps, NORM_BLOCK: tl.constexpr):
-    """_finish_split for a GEMV whose input was an RMSNorm's before its scale (_x_tile): the finished sums times
-    the row's scale."""
-    if _last_split(counter_ptr, splits):
-        total = _take_sums(ws_ptrs, mask) * rms_scale(x_row, d_row, K, eps, NORM_BLOCK)
-        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _residual_sum(x_row, d_row, offs, mask):
-    """round(x + d) at offs, as the residual step rounds it (elementwise.add_rms_norm), in x's dtype."""
-    x = tl.load(x_row + offs, mask=mask, other=0.0)
-    return (x.to(tl.float32) + tl.load(d_row + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def rms_scale(x_row, d_row, K, eps, NORM_BLOCK: tl.constexpr):
-    """1 / rms of the row round(x + d) (K values, NORM_BLOCK at least K): the RMSNorm's scale, summed in
-    float32 as elementwise's norm sums it."""
-    offs = tl.arange(0, NORM_BLOCK)
-    total = _residual_sum(x_row, d_row, offs, offs < K).to(tl.float32)
-    return tl.rsqrt(tl.sum(total * total, axis=0) / K + eps)
-
-
-@triton.jit
 def _store_tile(acc, y_ptr, ws_ptr, counter_ptr, offsets, mask, tile, splits, ATOMIC: tl.constexpr,
                 FINISH: tl.constexpr):
     """A tile of y from its accumulator: stored; or, K split, added atomically into y (float32, zeroed by
@@ -258,39 +233,24 @@ def _add_quads(ptrs, values, mask):
 
 @triton.jit
 def _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, splits, ATOMIC: tl.constexpr,
-               FINISH: tl.constexpr, SPANS: tl.constexpr, QUADS: tl.constexpr, NORMED: tl.constexpr, x_row, d_row, K,
-               eps, NORM_BLOCK: tl.constexpr):
+               FINISH: tl.constexpr, SPANS: tl.constexpr, QUADS: tl.constexpr = False):
     """Row row_m of y from a GEMV's accumulator (_store_tile; a tile is BN outputs of one row). QUADS (N a multiple
-    of 4, GPU only): a K split finished in the kernel adds its sums four per operation (_add_quads). NORMED: y times
-    the RMSNorm's scale of the row (_finish_split; a K split finished in the kernel, or none)."""
+    of 4, GPU only): a K split finished in the kernel adds its sums four per operation (_add_quads)."""
     if SPANS:
         y = tl.sum(acc, axis=0)
     else:
         y = acc
     offsets, mask, tile = row_m * N + offs_n, offs_n < N, row_m * tl.num_programs(0) + pid_n
-    if ATOMIC & FINISH & (QUADS | NORMED):
-        if QUADS:
-            _add_quads(ws_ptr + offsets, y, mask)
-        else:
-            tl.atomic_add(ws_ptr + offsets, y, mask=mask, sem="relaxed")
-        if NORMED:
-            _finish_normed(ws_ptr + offsets, y_ptr + offsets, mask, counter_ptr + tile, splits, x_row, d_row, K, eps,
-                           NORM_BLOCK)
-        else:
-            _finish_split(ws_ptr + offsets, y_ptr + offsets, mask, counter_ptr + tile, splits)
-    elif NORMED:  # the whole of K in this program
-        y *= rms_scale(x_row, d_row, K, eps, NORM_BLOCK)
-        tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if ATOMIC & FINISH & QUADS:
+        _add_quads(ws_ptr + offsets, y, mask)
+        _finish_split(ws_ptr + offsets, y_ptr + offsets, mask, counter_ptr + tile, splits)
     else:
         _store_tile(y, y_ptr, ws_ptr, counter_ptr, offsets, mask, tile, splits, ATOMIC, FINISH)
 
 
 @triton.jit
-def _x_tile(x_row, k0, r, K, PER_WORD: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, d_row, g_ptr):
-    """The inputs k0 + r*P + i of one row of x as a tile [R, 1, P] (0 past K), for _value_slices. NORMED: x is
-    the residual stream before a residual step (d_row) and an RMSNorm (weight g_ptr), and the input is
-    round(round(x + d) * weight); the norm's scale, one number a row, multiplies the finished sums instead
-    (_store_row), so no kernel of its own runs before the GEMV. One load:
+def _x_tile(x_row, k0, r, K, PER_WORD: tl.constexpr, GATED: tl.constexpr):
+    """The inputs k0 + r*P + i of one row of x as a tile [R, 1, P] (0 past K), for _value_slices. One load:
     as compiled, the tile is spread over the threads and broadcast through shared memory. A load per value
     position and word row gave every thread 8 times as many load instructions as weight loads (PTX for
     sm_90, int4, one K tile: 646 instructions in the bf16x2 GEMV against 363 now, 1,681 against 1,293 in
@@ -299,9 +259,6 @@ def _x_tile(x_row, k0, r, K, PER_WORD: tl.constexpr, GATED: tl.constexpr, NORMED
     x = tl.load(x_row + k, mask=k < K, other=0.0)
     if GATED:  # the row holds an MLP's gate and up side by side (K each): x is SwiGLU's product, made here
         x = silu_mul_values(x, tl.load(x_row + K + k, mask=k < K, other=0.0))
-    if NORMED:
-        total = (x.to(tl.float32) + tl.load(d_row + k, mask=k < K, other=0.0).to(tl.float32)).to(x.dtype)
-        x = (total.to(tl.float32) * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(x.dtype)
     return x
 
 
@@ -340,13 +297,12 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _x_pairs(x_row, k0, r, K, GATED: tl.constexpr, NORMED: tl.constexpr, d_row, g_ptr):
+def _x_pairs(x_row, k0, r, K, GATED: tl.constexpr):
     """x's inputs k0 + 8r + i (low half) and + i + 4 (high half) as bf16x2 words [R, 1], i = 0..3: the
     tile in one load, sliced in registers (_value_slices). Its bits are taken before the slicing, so the
     compiled kernel pairs them where they were loaded and spreads 4 words a row rather than 8 values
     (363 PTX instructions a K tile, against 453 pairing after)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _value_slices(_bf16_bits(_x_tile(x_row, k0, r, K, 8, GATED, NORMED, d_row,
-                                                                      g_ptr)), 8)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _value_slices(_bf16_bits(_x_tile(x_row, k0, r, K, 8, GATED)), 8)
     return x0 | (x4 << 16), x1 | (x5 << 16), x2 | (x6 << 16), x3 | (x7 << 16)
 
 
@@ -385,19 +341,18 @@ add.f32 $0, lo, hi;
 
 
 @triton.jit
-def gemv_x(x_row, k0, r, K, BITS: tl.constexpr, BF16X2: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr,
-           d_row, g_ptr):
+def gemv_x(x_row, k0, r, K, BITS: tl.constexpr, BF16X2: tl.constexpr, GATED: tl.constexpr):
     """One K tile of x (inputs k0 .. k0 + R*P of the row `x_row` points at) as the GEMV's product takes it:
     bf16x2 pairs (BF16X2, _x_pairs), or float32 slices per value position over 2^(bits * (i % half))
     (_word_values' scaling), scaled on the tile as loaded, before it is sliced and spread."""
     PER_WORD: tl.constexpr = 32 // BITS
     if BF16X2:
-        xs = _x_pairs(x_row, k0, r, K, GATED, NORMED, d_row, g_ptr)
+        xs = _x_pairs(x_row, k0, r, K, GATED)
     else:
         position = tl.arange(0, PER_WORD)
         divisor = (1 << (BITS * (position % (PER_WORD // 2)))).to(tl.float32)
-        xs = _value_slices(_x_tile(x_row, k0, r, K, PER_WORD, GATED, NORMED, d_row, g_ptr).to(tl.float32)
-                           / divisor[None, None, :], PER_WORD)
+        xs = _value_slices(_x_tile(x_row, k0, r, K, PER_WORD, GATED).to(tl.float32) / divisor[None, None, :],
+                           PER_WORD)
     return xs
 
 
@@ -429,15 +384,14 @@ def gemv_product(acc, words, xs, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPA
 @triton.jit
 def gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, stride_wk, stride_wn, group_size,
               BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPANS: tl.constexpr, BF16X2: tl.constexpr,
-              GATED: tl.constexpr, EVEN_K: tl.constexpr, NORMED: tl.constexpr, d_row, g_ptr):
+              GATED: tl.constexpr, EVEN_K: tl.constexpr = False):
     """acc plus one K tile of the GEMV: inputs k0 .. k0 + R*P of the row `x_row` points at, times the word
     rows k0 / P + r of the packed weight at w_ptr (outputs offs_n). The words are loaded first, so they are
     in flight while x's tile is spread. Shared by the dense GEMVs and the fused MoE's per-slot GEMV (there
     w_ptr is one expert's weight)."""
     words = _tile_words(w_ptr, s_ptr, z_ptr, _word_row(k0, BITS, r.shape[0]) + r, k0, offs_n, word_rows, N,
                         stride_wk, stride_wn, group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
-    return gemv_product(acc, words, gemv_x(x_row, k0, r, K, BITS, BF16X2, GATED, NORMED, d_row, g_ptr), BITS,
-                        HAS_ZERO, SPANS, BF16X2)
+    return gemv_product(acc, words, gemv_x(x_row, k0, r, K, BITS, BF16X2, GATED), BITS, HAS_ZERO, SPANS, BF16X2)
 
 
 @triton.jit
@@ -452,16 +406,13 @@ def gemv_acc(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPANS: tl.constexpr):
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
-          k_per_split, d_ptr, g_ptr, h_ptr, eps,
+          k_per_split,
           BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
           BF16X2: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PDL: tl.constexpr, QUADS: tl.constexpr, NORMED: tl.constexpr,
-          NORM_BLOCK: tl.constexpr):
+          BLOCK_K: tl.constexpr, PDL: tl.constexpr, QUADS: tl.constexpr = False):
     """The dense GEMVs' program: row program_id(1) of x, outputs program_id(0), K split program_id(2). The
     first K tile's words are loaded before waiting for the kernel before (PDL): they are weights, so with
-    PDL they are in flight while that kernel finishes (the table's GEMVs have one K tile per program).
-    NORMED: the input is rms_norm(x + d) with weight g (_x_tile, _store_row); the first program of each row
-    also writes the residual step's x + d [M, K] to h_ptr."""
+    PDL they are in flight while that kernel finishes (the table's GEMVs have one K tile per program)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PER_WORD
     release_dependents(PDL)
@@ -476,50 +427,40 @@ def _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_x
                         stride_wk, stride_wn, group_size, BITS, HAS_ZERO, SPANS, EVEN_K)
     wait_for_inputs(PDL)
     x_row = x_ptr + row_m * stride_xm
-    d_row = d_ptr + row_m * K
-    if NORMED:
-        if (pid_n == 0) & (tl.program_id(2) == 0):
-            offs = tl.arange(0, NORM_BLOCK)
-            tl.store(h_ptr + row_m * K + offs, _residual_sum(x_row, d_row, offs, offs < K), mask=offs < K)
-    acc = gemv_product(gemv_acc(ROWS, BLOCK_N, SPANS), words,
-                       gemv_x(x_row, k_begin, r, K, BITS, BF16X2, GATED, NORMED, d_row, g_ptr),
+    acc = gemv_product(gemv_acc(ROWS, BLOCK_N, SPANS), words, gemv_x(x_row, k_begin, r, K, BITS, BF16X2, GATED),
                        BITS, HAS_ZERO, SPANS, BF16X2)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         acc = gemv_tile(acc, x_row, w_ptr, s_ptr, z_ptr, k0, offs_n, r, word_rows, N, K, stride_wk, stride_wn,
-                        group_size, BITS, HAS_ZERO, SPANS, BF16X2, GATED, EVEN_K, NORMED, d_row, g_ptr)
+                        group_size, BITS, HAS_ZERO, SPANS, BF16X2, GATED, EVEN_K)
     _store_row(acc, y_ptr, ws_ptr, counter_ptr, row_m, N, offs_n, pid_n, tl.cdiv(K, k_per_split), ATOMIC, FINISH,
-               SPANS, QUADS, NORMED, x_row, d_row, K, eps, NORM_BLOCK)
+               SPANS, QUADS)
 
 
 @triton.jit
 def wna16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wk,
-                      stride_wn, group_size, k_per_split, d_ptr, g_ptr, h_ptr, eps, BITS: tl.constexpr,
-                      HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
-                      GATED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr, NORMED: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+                      stride_wn, group_size, k_per_split, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                      FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """SPANS: the tile spans groups, so scales are gathered per word row and multiply [R, BN] partial
     sums; else one group's scale row is loaded per tile and multiplies the tile's column sums. GATED:
     each row of x is an MLP's gate and up side by side, and the product's input is SwiGLU's (_x_tile).
-    EVEN_K: K is whole tiles (no row masks). NORMED: the input is an RMSNorm's of x + d (_gemv)."""
+    EVEN_K: K is whole tiles (no row masks)."""
     _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
-          k_per_split, d_ptr, g_ptr, h_ptr, eps, BITS, HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, EVEN_K, BLOCK_N,
-          BLOCK_K, PDL, False, NORMED, NORM_BLOCK)
+          k_per_split, BITS, HAS_ZERO, ATOMIC, FINISH, SPANS, False, GATED, EVEN_K, BLOCK_N, BLOCK_K, PDL)
 
 
 @triton.jit
 def wna16_gemv_bf16x2_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm,
-                             stride_wk, stride_wn, group_size, k_per_split, d_ptr, g_ptr, h_ptr, eps,
-                             HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, FINISH: tl.constexpr, SPANS: tl.constexpr,
-                             GATED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PDL: tl.constexpr, QUADS: tl.constexpr = False, NORMED: tl.constexpr = False,
-                             NORM_BLOCK: tl.constexpr = 1):
+                             stride_wk, stride_wn, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+                             FINISH: tl.constexpr, SPANS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                             QUADS: tl.constexpr = False):
     """The int4 GEMV with bf16 x, dequantizing and multiplying two values per instruction (bf16x2 PTX:
     GPU only, no interpreter). Products and 4-term chains round to bf16, as a bf16 dequantized weight
     would; the rest (pair sums, scales, the accumulation over K) is float32. GATED, EVEN_K: as the GEMV's;
-    QUADS: the K split's sums added four per operation (_store_row). NORMED: as the GEMV's."""
+    QUADS: the K split's sums added four per operation (_store_row)."""
     _gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, N, K, stride_xm, stride_wk, stride_wn, group_size,
-          k_per_split, d_ptr, g_ptr, h_ptr, eps, 4, HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, EVEN_K, BLOCK_N,
-          BLOCK_K, PDL, QUADS, NORMED, NORM_BLOCK)
+          k_per_split, 4, HAS_ZERO, ATOMIC, FINISH, SPANS, True, GATED, EVEN_K, BLOCK_N, BLOCK_K, PDL, QUADS)
 
 
 @triton.jit

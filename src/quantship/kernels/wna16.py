@@ -567,43 +567,13 @@ def _swap_bf16x2_stream(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     return y.to(x2.dtype)
 
 
-def takes_norm(rows: int, x: torch.Tensor, bits: int) -> bool:
-    """Whether normed_matmul folds the RMSNorm into the call for `rows` rows like x: the GEMVs, whose programs each
-    load their inputs once (a tensor-core tile would remake them per thread)."""
-    return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda, device_name(x)).kind in GEMV_KINDS
-
-
-def normed_matmul(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, packed: torch.Tensor,
-                  scale: torch.Tensor, zero: torch.Tensor | None, bits: int, in_features: int, group_size: int,
-                  blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta) * weight times the packed weight): a residual step, the RMSNorm after it and
-    the Linear that reads the norm, in the GEMV's one launch (takes_norm) where elementwise.add_rms_norm and matmul
-    take two. The GEMV multiplies each input by the norm's weight as it loads it and each finished sum by the
-    row's 1 / rms, which its finishing programs compute from x + delta (a row is a few KB, read from L2), so
-    the input is rounded once, to round(round(x + delta) * weight), where the norm kernel's is
-    round(round(round(x + delta) / rms) * weight): the same up to bf16 rounding. Elsewhere (a K split added into
-    float32 without finishing in the kernel) the two launches."""
-    from quantship.kernels import elementwise
-
-    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x.reshape(-1, in_features)
-    y = matmul(x, packed, scale, zero, bits, in_features, group_size, blocks,
-               norm=(delta.reshape(rows.shape).contiguous(), weight, eps, total))
-    if y is None:
-        total, normed = elementwise.add_rms_norm(x, delta, weight, eps)
-        y = matmul(normed, packed, scale, zero, bits, in_features, group_size, blocks)
-    return total, y
-
-
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
            in_features: int, group_size: int, blocks: Blocks | None = None, gated: bool = False,
-           pairs_asm: bool | None = None, norm: tuple | None = None) -> torch.Tensor | None:
+           pairs_asm: bool | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) times the packed weight → [..., N] in x's dtype, through Triton.
     `gated`: x is [..., 2K], an MLP's gate and up side by side, and the input is SiLU(gate) * up, made by
     the GEMV as it loads x (rounded as elementwise.silu_mul rounds), one launch fewer (takes_gated).
-    `pairs_asm`: swap_bf16x2 with its PTX or without (its own check); None: pairs_in_registers decides.
-    `norm` (delta [rows, K], the norm's weight, eps, total): normed_matmul's GEMV, x + delta written to total;
-    None where the GEMV would add a K split into float32 (no fold: the caller runs the norm first)."""
+    `pairs_asm`: swap_bf16x2 with its PTX or without (its own check); None: pairs_in_registers decides."""
     import triton
 
     from quantship.kernels import _wna16_triton as kernels
@@ -617,8 +587,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         blocks = replace(blocks, kind="gemv")
     if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # a product per value position
         blocks = replace(blocks, kind="swap_x") if blocks.block_m <= 64 else BLOCKS_BY_M[-1][1]
-    if (gated or norm) and blocks.kind not in GEMV_KINDS:
-        raise ValueError(f"a gated or normed input takes the GEMV only, not {blocks.kind} (takes_gated, takes_norm)")
+    if gated and blocks.kind not in GEMV_KINDS:
+        raise ValueError(f"a gated input takes the GEMV only, not {blocks.kind} (see takes_gated)")
     if blocks.kind == "dequantize":
         w = dequantize_transposed(packed, scale, zero, bits, k, group_size, x.dtype, blocks)
         return torch.mm(x2, w).reshape(*shape[:-1], n)
@@ -641,8 +611,6 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     per_split, splits = splits_for(blocks, grid[0] * grid[1], k, block_k)
     if splits > 1:
         y, sums, counters = split_outputs(x2, n, grid[0] * grid[1], blocks.finish)
-        if norm and sums is y:  # the sums' scale is applied where a tile is finished
-            return None
     else:
         y = sums = counters = torch.empty((m, n), dtype=x.dtype, device=x.device)
     common = dict(BITS=bits, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=sums is not y,
@@ -654,16 +622,12 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     args = (x2, packed, *outputs, x2.stride(0), packed.stride(0), packed.stride(1), group_size, per_split)
     # A tile stays inside one group only if the groups are whole tiles (or one group spans all of K).
     spans = group_size < k and group_size % block_k != 0
-    if gemv:  # the residual step and norm the input is made from (normed_matmul), or nothing
-        delta, weight, eps, total = norm or (x2, x2, 0.0, x2)
-        args += (delta, weight, total, eps)
-        common |= dict(SPANS=spans, GATED=gated, NORMED=norm is not None,
-                       NORM_BLOCK=triton.next_power_of_2(k) if norm else 1)
     if blocks.kind == "gemv":
-        kernels.wna16_gemv_kernel[grid](*args, **common)
+        kernels.wna16_gemv_kernel[grid](*args, SPANS=spans, GATED=gated, **common)
     elif blocks.kind == "gemv_bf16x2":
         common.pop("BITS")
-        kernels.wna16_gemv_bf16x2_kernel[grid](*args, QUADS=_quads(n, blocks, spans), **common)
+        kernels.wna16_gemv_bf16x2_kernel[grid](*args, SPANS=spans, GATED=gated,
+                                               QUADS=_quads(n, blocks, spans), **common)
     elif blocks.kind == "swap_bf16x2":
         common.pop("BITS")
         constexprs = dict(pairs, BLOCK_M=blocks.block_m, ROWS_FIRST=rows_first)

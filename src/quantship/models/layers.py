@@ -137,19 +137,6 @@ class SharedInput:
             return merged(x)
         return tuple(getattr(self, name)(x) for name in self.input_names())
 
-    def project_normed(self, x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """(x + delta, project(norm(x + delta))) with the residual step and the norm made in the merged Linear's
-        GEMV (PackedLinear.normed: one launch fewer), or None where it makes none (the caller runs the norm)."""
-        made = self._merged_normed(x, delta, norm)
-        return None if made is None else (made[0], made[1].split(self.merged.sizes, dim=-1))
-
-    def _merged_normed(self, x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + delta, the merged Linear's outputs side by side) from PackedLinear.normed, or None."""
-        taker = getattr(getattr(getattr(self, "merged", None), "linear", None), "normed", None)
-        return taker(x, delta, norm) if taker is not None else None
-
 
 class MLP(nn.Module, SharedInput):
     """SwiGLU feed-forward: the dense MLP, each routed expert and the shared experts."""
@@ -164,29 +151,19 @@ class MLP(nn.Module, SharedInput):
         return "gate_proj", "up_proj"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        merged = getattr(self, "merged", None)
-        if use_fused_ops(x) and merged is not None:
-            return self._down_fused(merged.linear(x))
-        product = elementwise.silu_mul if use_fused_ops(x) else elementwise.reference_silu_mul
-        return self.down_proj(product(*self.project(x)))
-
-    def forward_normed(self, x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + delta, forward(norm(x + delta))) with the residual step and the norm made in the merged gate
-        and up projection's GEMV (PackedLinear.normed), or None where it makes none (the caller runs the norm
-        first). GPU only (use_fused_ops)."""
-        made = self._merged_normed(x, delta, norm)
-        return None if made is None else (made[0], self._down_fused(made[1]))
-
-    def _down_fused(self, both: torch.Tensor) -> torch.Tensor:
-        """The down projection of the merged gate and up outputs side by side, through the fused kernels: a packed
-        down projection makes SwiGLU's product itself where it runs its GEMV (one row, PackedLinear.gated)."""
-        gated = getattr(self.down_proj, "gated", None)
-        out = gated(both) if gated is not None else None
-        if out is not None:
-            return out
-        gate, up = both.split(self.merged.sizes, dim=-1)
-        return self.down_proj(elementwise.silu_mul(gate, up))
+        fused = use_fused_ops(x)
+        merged, gated = getattr(self, "merged", None), getattr(self.down_proj, "gated", None)
+        if fused and merged is not None and gated is not None:
+            # a packed down projection makes SwiGLU's product itself where it runs its GEMV (one row)
+            both = merged.linear(x)
+            out = gated(both)
+            if out is not None:
+                return out
+            gate, up = both.split(merged.sizes, dim=-1)
+        else:
+            gate, up = self.project(x)
+        product = elementwise.silu_mul if fused else elementwise.reference_silu_mul
+        return self.down_proj(product(gate, up))
 
 
 class ContiguousCache:
@@ -218,12 +195,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     mask = torch.arange(tk, device=q.device)[None, :] <= q_positions[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-# Whether a decode step's RMSNorms before packed GEMVs are made inside them (PackedLinear.normed) rather than by
-# elementwise.add_rms_norm's launch of their own: the post-attention norm in the MLP's gate and up GEMV, the
-# input norm (with the residual step of the MLP before) in the q, k and v GEMV of grouped-query attention.
-NORM_IN_GEMV = True
 
 
 class DecoderLayer(nn.Module):
@@ -260,22 +231,11 @@ class DecoderLayer(nn.Module):
         is added in this layer's input norm (each residual step is the kernel of the norm after it: a
         separate add launch fewer per layer, CausalLM.hidden_states). GPU only (use_fused_ops)."""
         norm = self.input_layernorm
-        taker = getattr(self.self_attn, "forward_paged_normed", None)
-        folded = None
-        if pending is not None and NORM_IN_GEMV and taker is not None and isinstance(cache, PagedBatch):
-            folded = taker(x, pending, norm, positions, cache, index)  # the norm made in q, k and v's GEMV
-        if folded is not None:
-            x, attended = folded
+        if pending is None:
+            normed = norm(x)
         else:
-            if pending is None:
-                normed = norm(x)
-            else:
-                x, normed = elementwise.add_rms_norm(x, pending, norm.weight, norm.eps)
-            attended = self._attention(cache)(normed, positions, cache, index)
+            x, normed = elementwise.add_rms_norm(x, pending, norm.weight, norm.eps)
+        attended = self._attention(cache)(normed, positions, cache, index)
         norm = self.post_attention_layernorm
-        if NORM_IN_GEMV and isinstance(self.mlp, MLP):
-            folded = self.mlp.forward_normed(x, attended, norm)
-            if folded is not None:  # the residual step and norm made in the MLP's first GEMV
-                return folded
         x, normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)
         return x, self.mlp(normed)

@@ -65,24 +65,9 @@ class GQAttention(nn.Module, SharedInput):
 
     def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, index: int) -> torch.Tensor:
         x = x[0]  # [N, hidden]: the engine packs all sequences into one row
-        return self._paged(self.project(x), positions, batch, index)
-
-    def forward_paged_normed(self, x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
-                             batch: PagedBatch, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + delta, forward_paged(norm(x + delta))) with the residual step and the norm made in the merged q, k
-        and v projection's GEMV (SharedInput.project_normed), or None where it makes none."""
-        made = self.project_normed(x[0], delta[0], norm)
-        if made is None:
-            return None
-        total, qkv = made
-        return total[None], self._paged(qkv, positions, batch, index)
-
-    def _paged(self, qkv: tuple[torch.Tensor, ...], positions: torch.Tensor, batch: PagedBatch,
-               index: int) -> torch.Tensor:
-        """forward_paged from the projections q, k and v [N, ...]."""
-        q, k, v = qkv
-        n = q.shape[0]
-        cos, sin = batch.cos_sin(self.rotary, positions, q.dtype)
+        n = x.shape[0]
+        cos, sin = batch.cos_sin(self.rotary, positions, x.dtype)
+        q, k, v = self.project(x)
         q, k = self.split_heads(q, self.heads, self.q_norm), self.split_heads(k, self.kv_heads, self.k_norm)
         self.write_kv(k, v, cos, sin, batch, index)
         if batch.takes_decode(q, self.kv_heads):  # q's rotary embedding inside the decode kernel

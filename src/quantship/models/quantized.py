@@ -191,17 +191,6 @@ class PackedLinear(nn.Module):
                          self.in_features, self.group_size, gated=True)
         return y if self.bias is None else y + self.bias
 
-    def normed(self, x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + delta, this layer of norm(x + delta)), `norm` an RMSNorm: on the GPU the GEMV makes the residual
-        step and the norm as it loads x (wna16.normed_matmul; one launch fewer per norm and decode step). None where
-        the call would not take the GEMV (more rows, the CPU): the caller runs the norm first."""
-        rows = x.numel() // self.in_features
-        if not (on_gpu_kernel(x) and self.use_kernel and wna16.takes_norm(rows, x, self.bits)):
-            return None
-        total, y = wna16.normed_matmul(x, delta, norm.weight, norm.eps, self.weight_packed, self.weight_scale,
-                                       self.weight_zero_point, self.bits, self.in_features, self.group_size)
-        return total, (y if self.bias is None else y + self.bias)
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits} packed, group={self.group_size}"
 
