@@ -810,9 +810,9 @@ def anatomy_note() -> list[str]:
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
     "": {"H100, stop 52 (`quick --batches 1 --quads --no-norm-fold --gemv-tile 64 256 2`, alternating): W4A16 with "
-         "each decode step's norms made in the packed GEMV after them (commit 8ef2a10, reverted after this run), "
-         "with every norm a launch of its own (the code since), with the GEMV adding its sums four at once, and "
-         "with the one-row GEMV in 64x256 tiles": "_s52_h100",
+         "each decode step's norms made in the packed GEMV after them (commit 8ef2a10, reverted after this run; the "
+         "quads and 64x256 lines have them too), with every norm a launch of its own (the code since), with the "
+         "GEMV adding its sums four at once, and with the one-row GEMV in 64x256 tiles": "_s52_h100",
          "H100, stop 51 (`quick --batches 1 --shared-table --quads`, alternating): the one-row GEMV in 512x64 "
          "tiles capped at 128 registers (that machine's sweep winner, adopted there only), the same adding its K "
          "split's sums four at once (a 1.3% shorter step, level tok/s: GEMV_QUADS stays off), and the table's "

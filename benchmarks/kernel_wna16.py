@@ -639,7 +639,8 @@ PARTIAL_SWEEPS = {
                                 "words as the wide tiles with fewer partial sums (none for K up to the depth). The "
                                 "H100's own 512x128 led at 49.8 µs a layer; the nearest, 64x256 with 2 warps, 57.6; "
                                 "16x2048 76.9; 128x512 with 8 warps 111.4. In the engine (`quick --gemv-tile 64 256 "
-                                "2`, the same machine) the batch-1 step took 2.42 ms against 2.24",
+                                "2`, the same machine, both sides with the norms made in the GEMVs that were then reverted) the "
+                                "batch-1 step took 2.42 ms against 2.24",
     "kernel_wna16_narrow_k_h100": "the same narrow tiles with the packed words held along K (`--words k`), each "
                                   "output's words contiguous for a deep tile's loads: 512x128 59.0 µs a layer, the "
                                   "narrow ones 65.3-119.6. Neither layout lets a narrow tile lead",
