@@ -32,7 +32,9 @@ from _report import RESULTS, run_or_render, table, update_section, write_result 
 LAYER = {"fused qkv": (12288, 4096), "o_proj": (4096, 4096), "gate+up": (22016, 4096), "down": (4096, 11008)}
 GROUP = 128
 MULTIPROCESSORS, ISSUE_PER_CYCLE, CLOCK_HZ = 132, 4, 1.98e9  # H100 SXM and H200: 4 schedulers, boost clock
-# A GPU sweep's file and device for each GPU whose one-row tile it timed (the layer's four calls summed).
+# A GPU sweep's file for each GPU whose one-row tile it timed (the layer's four calls summed): the H200's from stop 44,
+# the last sweep one had (the GEMV's code has changed little since: its per-layer time in the engine's stop-49 profile
+# was 45 µs), the H100's from stop 52.
 MEASURED = {"NVIDIA H100 80GB HBM3": "kernel_wna16_narrow_h100.json", "NVIDIA H200": "kernel_wna16_h200_sweep.json"}
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
              "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
@@ -129,6 +131,7 @@ def run(args) -> None:
                "layer_warp_instructions": warp_instructions, "issue_floor_us": floor_us}
         if whose != "the shared table":
             row["measured_us"], bandwidth = measured(whose, blocks)
+            row["measured_in"] = MEASURED.get(whose)
             if bandwidth:  # the words and their bf16 scales, read once at the copy bandwidth
                 row["memory_floor_us"] = (words * 4 + scale_bytes) / bandwidth * 1e6
         rows.append(row)
@@ -161,7 +164,8 @@ def render(paths: list[str]) -> None:
             rows.append([row["tiles"], f"{row['block_n']} x {row['block_k']}, {row['num_warps']} warps",
                          f"{row['words_per_thread']:.0f}", f"{row['instructions_per_word']:.1f}",
                          f"{row['instructions_per_word_gated']:.1f}", top, f"{row['issue_floor_us']:.1f}",
-                         f"{memory:.1f}" if memory else "-", f"{measured:.1f}" if measured else "-",
+                         f"{memory:.1f}" if memory else "-",
+                         f"{measured:.1f} (`{row['measured_in']}`)" if measured else "-",
                          f"{row['issue_floor_us'] / measured:.0%}" if measured else "-"])
         text += ["", f"Triton {r['triton']}, {r['target']}; a layer's {r['layer_words'] / 1e6:.1f} million packed words", "",
                  table(["tiles of", "outputs, inputs a program", "words a thread", "instructions a word",
