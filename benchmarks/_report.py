@@ -18,6 +18,23 @@ def write_result(name: str, data: dict) -> Path:
     return path
 
 
+def write_run(folder: str | Path, name: str, data: dict) -> Path:
+    """A run's result as folder/NAME.json (the folder made if needed; on the GPU machine $OUT), path printed."""
+    out = Path(folder) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+def registered(paths: list[str]):
+    """Each result file's data, copied into benchmarks/results/ under its name as it is rendered."""
+    for path in paths:
+        r = json.loads(Path(path).read_text())
+        write_result(Path(path).stem, r)
+        yield r
+
+
 def update_section(name: str, markdown: str) -> None:
     """Replace (or append) the block between <!-- name:start --> and <!-- name:end --> markers."""
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"

@@ -11,7 +11,6 @@ from memory, not L2), and the median per call is kept, for 1, 16 and 64 ids of a
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import run_or_render, table, update_section, write_result  # noqa: E402
+from _report import registered, run_or_render, table, update_section, write_run  # noqa: E402
 
 CALLS, REPLAYS, ROWS = 20, 10, (1, 16, 64)
 
@@ -65,11 +64,7 @@ def run(args) -> None:
     device = torch.cuda.get_device_name()
     result = {"device_name": device, "torch": torch.__version__, "calls_per_graph": CALLS, "replays": REPLAYS,
               "rows": rows}
-    name = "embedding_gather_" + re.sub(r"\W+", "_", device.lower()).strip("_")
-    out = Path(args.out) / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_run(args.out, "embedding_gather_" + re.sub(r"\W+", "_", device.lower()).strip("_"), result)
 
 
 def render(paths: list[str]) -> None:
@@ -78,9 +73,7 @@ def render(paths: list[str]) -> None:
             f"(32,256 x 4,096, bf16), {CALLS} calls captured in a CUDA graph, the median of {REPLAYS} replays, "
             "each after a 256 MB buffer is zeroed so the rows come from memory. `models.layers.Embedding` "
             "indexes for 2-16 ids, where index_select's small-index kernel walks the ids one after another."]
-    for path in paths:
-        r = json.loads(Path(path).read_text())
-        write_result(Path(path).stem, r)
+    for r in registered(paths):
         ways = list(dict.fromkeys(row["way"] for row in r["rows"]))
         by = {(row["rows"], row["way"]): row["us_per_call"] for row in r["rows"]}
         counts = sorted({row["rows"] for row in r["rows"]})

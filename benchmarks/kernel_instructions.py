@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import RESULTS, run_or_render, table, update_section, write_result  # noqa: E402
+from _report import RESULTS, registered, run_or_render, table, update_section, write_run  # noqa: E402
 
 LAYER = {"fused qkv": (12288, 4096), "o_proj": (4096, 4096), "gate+up": (22016, 4096), "down": (4096, 11008)}
 GROUP = 128
@@ -138,10 +138,7 @@ def run(args) -> None:
         print(row, flush=True)
     result = {"triton": triton.__version__, "target": "sm_90", "layer_words": words, "multiprocessors": MULTIPROCESSORS,
               "issue_per_cycle": ISSUE_PER_CYCLE, "clock_hz": CLOCK_HZ, "rows": rows}
-    out = Path(args.out) / "kernel_instructions.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_run(args.out, "kernel_instructions", result)
 
 
 def render(paths: list[str]) -> None:
@@ -153,9 +150,7 @@ def render(paths: list[str]) -> None:
             "time for the same tiles (the file registered for that GPU), so floor / measured is the share of "
             "the layer's time the schedulers would be busy if each issued one instruction every cycle. The memory "
             "floor is the layer's packed words and scales at the copy bandwidth that sweep measured."]
-    for path in paths:
-        r = json.loads(Path(path).read_text())
-        write_result(Path(path).stem, r)
+    for r in registered(paths):
         rows = []
         for row in r["rows"]:
             measured = row.get("measured_us")

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import run_or_render, table, update_section, write_result  # noqa: E402
+from _report import registered, run_or_render, table, update_section  # noqa: E402
 
 ROUNDS, BLOCK = 5, 16
 
@@ -110,9 +110,7 @@ def render(paths: list[str]) -> None:
             "decode padded to the chunk's length), \"parts\" as it runs now (decodes and the chunk padded apart); "
             "the same model, cache and tokens, alternating, median of the rounds; the whole step (every layer, "
             "the chunk's logits). The last column is the largest difference between the two ways' logits."]
-    for path in paths:
-        r = json.loads(Path(path).read_text())
-        write_result(Path(path).stem, r)
+    for r in registered(paths):
         where = r["device_name"] if r["device"] == "cuda" else f"CPU, {r['threads']} threads"
         text += ["", f"**{r['shape']} ({r['layers']} layers), {r['dtype']}, {where}, torch {r['torch']}**", "",
                  table(["context L", "decodes D", "chunk C", "padded ms", "parts ms", "speed-up", "max logit diff"],
