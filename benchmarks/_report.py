@@ -11,18 +11,17 @@ RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 
 
-def write_result(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, data: dict, folder: str | Path = RESULTS) -> Path:
+    """data as folder/NAME.json (benchmarks/results/ unless given), the folder made if needed."""
+    path = Path(folder) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
 
 def write_run(folder: str | Path, name: str, data: dict) -> Path:
-    """A run's result as folder/NAME.json (the folder made if needed; on the GPU machine $OUT), path printed."""
-    out = Path(folder) / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2) + "\n")
+    """A run's result as folder/NAME.json (on the GPU machine $OUT; write_result), its path printed."""
+    out = write_result(name, data, folder)
     print(f"wrote {out}")
     return out
 

@@ -529,8 +529,8 @@ def _pair_launch(x2: torch.Tensor, x: torch.Tensor, blocks: Blocks, block_k: int
 # (red.global.add.v4.f32) rather than one atomic operation per sum (_quads): a quarter of the atomic traffic of its
 # one-K-tile programs, which make one per 64 weights in an H200's 512x64 tiles. Off: on an H100 (stop 51) its test
 # passed, the layer's calls took the same time (`kernel_wna16.py run --quads`) and the engine's batch-1 step was 1.3%
-# shorter at level tok/s (`engine_throughput.py quick --quads`); the H200, whose own 512x64 tile makes twice the
-# atomic adds of the H100's 512x128, has not timed it.
+# shorter at level tok/s (`engine_throughput.py quick --quads`), 0.5% longer in stop 52 (both sides with a norm fold
+# since reverted); the H200, whose own 512x64 tile makes twice the atomic adds of the H100's 512x128, has not timed it.
 GEMV_QUADS = False
 
 
