@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from quantship.kernels import _elementwise_triton as elementwise, _fused_moe_triton as moe
 from quantship.kernels import _paged_attention_triton as attention, _routing_triton as routing
-from quantship.kernels import _wna16_triton as wna16
+from quantship.kernels import _wna16_triton as wna16, _mma_gemv_triton as mma_gemv
 from quantship.kernels import PLAIN_ROUNDING
 
 def compile(fn, signature, constexprs, before_wait=None, attrs=None, options=None):
@@ -69,6 +69,22 @@ for bits in (4, 8):
                 compile(wna16.wna16_swap_x_kernel, matmul,
                         dict(tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16 * 32 // bits, SPANS=spans,
                              EVEN_K=spans, ROWS_FIRST=block_m == 64), before_wait="prefetch.global.L2")
+        if bits == 4:  # the GEMV on tensor cores (wna16_mma): its inline PTX takes a thread's 4 elements of each
+            # operand as one lane's fragment of a warp's product, so every operand must be laid out 4 registers a
+            # thread along the last axis, lane i % 32 of warp i // 32 along the middle one, and none converted
+            mma = {k: v for k, v in matmul.items() if k != "stride_wn"}
+            for gated in (False, True):
+                ttgir = compile(mma_gemv.wna16_mma_gemv_kernel, mma,
+                                dict(HAS_ZERO=zero, ATOMIC=True, FINISH=not zero, GATED=gated, EVEN_K=not gated, EVEN_N=gated,
+                                     REPS=16, GROUP_STEPS=4, STEPS=8), before_wait="ld.global",
+                                attrs=("x_ptr", "w_ptr", "s_ptr", "y_ptr", "ws_ptr", "N", "K", "stride_xm",
+                                       "stride_wk", "k_per_split")).asm["ttgir"]
+                layouts = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+                used = {name for line in ttgir.splitlines() if "elementwise_inline_asm" in line
+                        for name in re.findall(r"(#blocked\d*)>", line)}
+                lanes = "sizePerThread = [1, 1, 4], threadsPerWarp = [1, 32, 1], warpsPerCTA = [1, 4, 1]"
+                assert used and all(lanes in layouts[name] for name in used), [layouts[name] for name in used]
+                assert "convert_layout" not in ttgir
         if bits == 4:  # one product per K tile, its values two per instruction (bf16x2 PTX); as launched (the
             # sizes divisible by 16), the inline asm must run on the product's operand registers, not in a layout
             # converted through shared memory after it
@@ -271,7 +287,7 @@ def test_every_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     tiles, tma = map(int, re.search(r"table tiles (\d+) through tma (\d+)", done.stdout).groups())
-    assert tiles >= 4 and done.stdout.count(" ok") == 170 + 2 * (tiles + tma)
+    assert tiles >= 4 and done.stdout.count(" ok") == 174 + 2 * (tiles + tma)
 
 
 def test_dependent_launch_is_asked_for_and_only_on_a_gpu(monkeypatch):

@@ -161,7 +161,8 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @dataclass(frozen=True)
 class Blocks:
     kind: str  # "gemv" (CUDA cores, a program per row of x), "gemv_bf16x2" (the int4 GEMV two values per
-    # instruction, bf16 x on a GPU), "swap_dot" (tensor cores, the weight as the left operand, x permuted),
+    # instruction, bf16 x on a GPU), "gemv_mma" (int4, up to 8 rows of bf16 x on tensor cores: wna16_mma),
+    # "swap_dot" (tensor cores, the weight as the left operand, x permuted),
     # "swap_x" (the same products, x read as it is), "swap_bf16x2" (int4: one product per K tile, two values
     # dequantized per instruction; others take swap_x), "dequantize"
     block_m: int
@@ -449,7 +450,8 @@ def cpu_matmul(x: torch.Tensor, made: tuple[torch.Tensor, torch.Tensor], bits: i
 def takes_gated(rows: int, x: torch.Tensor, bits: int) -> bool:
     """Whether matmul(gated=True) takes `rows` rows like x: only the GEMVs make SwiGLU's product in their
     loads of x (each input is loaded once per program there; a tensor-core tile would remake it per thread)."""
-    return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda, device_name(x)).kind in GEMV_KINDS
+    return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda,
+                         device_name(x)).kind in (*GEMV_KINDS, "gemv_mma")
 
 
 _PAIRS_CHECKED: dict[tuple, bool] = {}
@@ -583,6 +585,12 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     m, n, k = x2.shape[0], packed.shape[1], in_features
     bf16x2 = bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda  # what its PTX takes
     blocks = blocks or choose_blocks(m, bf16x2, device_name(x))
+    if blocks.kind == "gemv_mma":  # tensor cores for up to 8 rows, where the kernel takes the call (wna16_mma)
+        from quantship.kernels import wna16_mma
+
+        if wna16_mma.takes(x2, packed, bits, group_size, k, blocks):
+            return wna16_mma.matmul(x2, packed, scale, zero, k, group_size, blocks, gated).reshape(*shape[:-1], n)
+        blocks = BLOCKS_BY_M[0][1]  # else the CUDA-core GEMV's own tiles
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
     if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # a product per value position

@@ -1,0 +1,87 @@
+"""The int4 GEMV on tensor cores (kernels.wna16_mma): against dequantize + matmul in float32 on a GPU (its inline
+PTX cannot run under the interpreter; tests/test_kernels_compile.py compiles it for sm_90 on the CPU and checks the
+layout its PTX relies on), and where it declines a call, the table's other kernels take it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantship.kernels import wna16, wna16_mma
+from quantship.kernels.wna16 import Blocks
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+TILE = Blocks("gemv_mma", 8, 256, 256, -1, 4, 1)
+
+
+def _weight(n, k, group, asym, seed):
+    g = torch.Generator().manual_seed(seed)
+    packed = wna16.pack(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8), 4)
+    groups = -(-k // group)
+    scale = (torch.rand(groups, n, generator=g) * 0.1 + 0.01).bfloat16()
+    zero = torch.randint(-8, 8, (groups, n), generator=g, dtype=torch.int8) if asym else None
+    return packed, scale, zero
+
+
+def test_group_steps_divide_the_group():
+    assert wna16_mma.group_steps(128, 4096) == 4
+    assert wna16_mma.group_steps(64, 4096) == 2
+    assert wna16_mma.group_steps(96, 4096) == 3
+    assert wna16_mma.group_steps(32, 4096) == 1
+    assert wna16_mma.group_steps(160, 4096) == 1  # 5 K steps a group: only single steps stay inside one
+    assert wna16_mma.group_steps(4096, 4096) == 4  # one scale for all of K
+
+
+def test_it_declines_what_it_cannot_take():
+    packed, scale, zero = _weight(64, 128, 128, False, 0)
+    x = torch.randn(1, 128).bfloat16()
+    assert not wna16_mma.fits(x, packed, 4, 128, 128)  # on the CPU
+    # a call that asks for it by name on the CPU gets the table's GEMV, and the right answer
+    y = wna16.matmul(x.float(), packed, scale, zero, 4, 128, 128, blocks=TILE)
+    ref = wna16.reference_matmul(x.float(), packed, scale, zero, 4, 128, 128)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.skipif(not GPU, reason="inline PTX for mma.sync: a GPU of compute capability 8.0 or later")
+@pytest.mark.parametrize("n,k,group,asym", [(4096, 4096, 128, False), (1000, 352, 32, True), (388, 2048, 64, False),
+                                            (12288, 4096, 128, True), (4096, 11008, 128, False), (256, 512, 512, False)])
+def test_it_equals_dequantize_and_matmul(n, k, group, asym):
+    packed, scale, zero = _weight(n, k, group, asym, n + k)
+    packed, scale = packed.cuda(), scale.cuda()
+    zero = zero.cuda() if zero is not None else None
+    x_all = torch.randn(8, k, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
+    for blocks in (TILE, Blocks("gemv_mma", 8, 128, 128, -1, 4, 1), Blocks("gemv_mma", 8, 512, 512, -1, 4, 1)):
+        assert wna16_mma.takes(x_all, packed, 4, group, k, blocks)
+        for m in (1, 2, 5, 8):
+            x = x_all[:m]
+            ref = wna16.reference_matmul(x, packed, scale, zero, 4, k, group)
+            out = wna16_mma.matmul(x, packed, scale, zero, k, group, blocks)
+            assert out.shape == (m, n) and out.dtype == torch.bfloat16
+            error = ((out.float() - ref).norm() / ref.norm()).item()
+            assert error < 5e-3, (blocks, m, error)
+            # twice in a row: the K split's workspace and counters were left as found
+            again = wna16_mma.matmul(x, packed, scale, zero, k, group, blocks)
+            assert torch.equal(out, again)
+
+
+@pytest.mark.skipif(not GPU, reason="inline PTX for mma.sync: a GPU of compute capability 8.0 or later")
+def test_a_gated_input_is_swiglus_product():
+    n, k = 4096, 11008
+    packed, scale, zero = _weight(n, k, 128, False, 3)
+    packed, scale = packed.cuda(), scale.cuda()
+    x = torch.randn(3, 2 * k, generator=torch.Generator().manual_seed(2)).cuda().bfloat16()
+    product = F.silu(x[:, :k]) * x[:, k:]  # bf16 ops, each rounded, as the kernel rounds them
+    ref = wna16.reference_matmul(product, packed, scale, zero, 4, k, 128)
+    out = wna16_mma.matmul(x, packed, scale, zero, k, 128, TILE, gated=True)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+@pytest.mark.skipif(not GPU, reason="inline PTX for mma.sync: a GPU of compute capability 8.0 or later")
+def test_the_table_routes_a_row_to_it_where_asked_and_it_checks_first():
+    packed, scale, zero = _weight(4096, 4096, 128, False, 4)
+    packed, scale = packed.cuda(), scale.cuda()
+    x = torch.randn(1, 4096).cuda().bfloat16()
+    wna16_mma._CHECKED.clear()
+    y = wna16.matmul(x, packed, scale, zero, 4, 4096, 128, blocks=TILE)
+    assert wna16_mma._CHECKED == {(x.device, TILE): True}
+    ref = wna16.reference_matmul(x, packed, scale, zero, 4, 4096, 128)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3
