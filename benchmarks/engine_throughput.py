@@ -586,8 +586,9 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, g
     `adopt --device` gained, alternating, where --table-only runs a whole quick run so); None, the table as it
     is. `prefetch`: K tiles the stream-K tiles prefetch under PDL (kernels.wna16.STREAM_PREFETCH; 0: as it is).
     `quads`: the GEMV adds its sums four per vector reduction (kernels.wna16.GEMV_QUADS; False: as it is). `gemv`:
-    this GPU's one-row GEMV in these tiles (a Blocks; None: as it is). The code's table is back after, errors
-    included."""
+    this GPU's one-row GEMV in these tiles (a Blocks; None: as it is), a gemv_mma one for the 16-row class too. The
+    code's table is back after, errors included.
+    """
     from quantship.kernels import wna16
 
     def varied(b):
@@ -603,7 +604,10 @@ def table_variant(variant: str | None, prefetch: int = 0, quads: bool = False, g
         wna16.DEVICE_TILES = {}
     elif gemv is not None:
         device = torch.cuda.get_device_name()
-        wna16.DEVICE_TILES = {**own, device: {**own.get(device, {}), (1, "gemv_bf16x2"): gemv}}
+        mine = {(1, "gemv_bf16x2"): gemv}
+        if gemv.kind == "gemv_mma":  # tensor cores take the 16-row class too
+            mine[(16, "swap_bf16x2")] = gemv
+        wna16.DEVICE_TILES = {**own, device: {**own.get(device, {}), **mine}}
     elif variant:
         wna16.BLOCKS_BY_M = [(limit, varied(b)) for limit, b in table]
         wna16.DEVICE_TILES = {name: {key: varied(b) for key, b in tiles.items()} for name, tiles in own.items()}
@@ -668,7 +672,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     from quantship.kernels.wna16 import Blocks
 
     knobs = {"w4a16_pdl_prefetch": {"prefetch": prefetch}, "w4a16_quads": {"quads": True},  # sides of one setting
-             "w4a16_gemv_tile": {"gemv": gemv_tile and Blocks(gemv_kind, 8 if gemv_kind == "gemv_mma" else 1,
+             "w4a16_gemv_tile": {"gemv": gemv_tile and Blocks(gemv_kind, 16 if gemv_kind == "gemv_mma" else 1,
                                                               *gemv_tile[:2], -1, gemv_tile[2], 1)}}
 
     def kernels(name):  # the kernel table a side runs

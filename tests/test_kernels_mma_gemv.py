@@ -10,7 +10,7 @@ from quantship.kernels import wna16, wna16_mma
 from quantship.kernels.wna16 import Blocks
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
-TILE = Blocks("gemv_mma", 8, 256, 256, -1, 4, 1)
+TILE = Blocks("gemv_mma", 16, 256, 256, -1, 4, 1)
 
 
 def _weight(n, k, group, asym, seed):
@@ -48,10 +48,10 @@ def test_it_equals_dequantize_and_matmul(n, k, group, asym):
     packed, scale, zero = _weight(n, k, group, asym, n + k)
     packed, scale = packed.cuda(), scale.cuda()
     zero = zero.cuda() if zero is not None else None
-    x_all = torch.randn(8, k, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
-    for blocks in (TILE, Blocks("gemv_mma", 8, 128, 128, -1, 4, 1), Blocks("gemv_mma", 8, 512, 512, -1, 4, 1)):
+    x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
+    for blocks in (TILE, Blocks("gemv_mma", 16, 128, 128, -1, 4, 1), Blocks("gemv_mma", 16, 512, 512, -1, 4, 1)):
         assert wna16_mma.takes(x_all, packed, 4, group, k, blocks)
-        for m in (1, 2, 5, 8):
+        for m in (1, 2, 5, 8, 9, 16):
             x = x_all[:m]
             ref = wna16.reference_matmul(x, packed, scale, zero, 4, k, group)
             out = wna16_mma.matmul(x, packed, scale, zero, k, group, blocks)
@@ -68,7 +68,7 @@ def test_a_gated_input_is_swiglus_product():
     n, k = 4096, 11008
     packed, scale, zero = _weight(n, k, 128, False, 3)
     packed, scale = packed.cuda(), scale.cuda()
-    x = torch.randn(3, 2 * k, generator=torch.Generator().manual_seed(2)).cuda().bfloat16()
+    x = torch.randn(11, 2 * k, generator=torch.Generator().manual_seed(2)).cuda().bfloat16()
     product = F.silu(x[:, :k]) * x[:, k:]  # bf16 ops, each rounded, as the kernel rounds them
     ref = wna16.reference_matmul(product, packed, scale, zero, 4, k, 128)
     out = wna16_mma.matmul(x, packed, scale, zero, k, 128, TILE, gated=True)

@@ -36,9 +36,11 @@ THREADS = tl.constexpr(32 * WARPS)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
-# One K step (4 word rows, 32 inputs) of a thread's two units: words $8-$11 (outputs 4g .. 4g + 3), x's pairs
-# $12-$15, unit A's accumulator $16-$19 and B's $20-$23 → $0-$3 and $4-$7. m, c: the nibble mask and bf16 128.0.
-_UNIT = """lop3.b32 p0, $%(lo)d, m, c, 0xea;
+# One K step (4 word rows, 32 inputs) of a thread's two units, for one or two blocks of 8 columns (x's rows 0-7,
+# 8-15): outputs unit A's and B's accumulators of block 1 ($0-$3, $4-$7), then of block 2; inputs the words (outputs
+# 4g .. 4g + 3), x's pairs of each block, then the accumulators as output (none in a group's first K step: zeros).
+# m, c: the nibble mask and bf16 128.0; each unit's values are made once for both blocks.
+_VALUES = """lop3.b32 p0, $%(lo)d, m, c, 0xea;
 lop3.b32 q0, $%(hi)d, m, c, 0xea;
 shr.u32 s, $%(lo)d, 4;
 lop3.b32 p1, s, m, c, 0xea;
@@ -52,22 +54,31 @@ shr.u32 s, $%(lo)d, 12;
 lop3.b32 p3, s, m, c, 0xea;
 shr.u32 s, $%(hi)d, 12;
 lop3.b32 q3, s, m, c, 0xea;
-%(mma)s {$%(d)d,$%(d1)d,$%(d2)d,$%(d3)d}, {p0,q0,p1,q1}, {$12,$13}, {%(c)s,%(c1)s,%(c2)s,%(c3)s};
-%(mma)s {$%(d)d,$%(d1)d,$%(d2)d,$%(d3)d}, {p2,q2,p3,q3}, {$14,$15}, {$%(d)d,$%(d1)d,$%(d2)d,$%(d3)d};
 """
 
 
-def _unit(lo: int, d: int, c: int | None) -> str:
-    """One unit's two products; c: its accumulator's first operand, None for zeros (a group's first K step)."""
-    acc = ("z",) * 4 if c is None else tuple(f"${c + i}" for i in range(4))
-    return _UNIT % dict(lo=lo, hi=lo + 1, d=d, d1=d + 1, d2=d + 2, d3=d + 3, c=acc[0], c1=acc[1], c2=acc[2],
-                        c3=acc[3], mma=_MMA)
+def _k_step(blocks: int, first: bool) -> str:
+    outputs = 8 * blocks
+    words, pairs = outputs, outputs + 4
+    accumulators = pairs + 4 * blocks
+    text = ["{", ".reg .b32 m, c, s, z, p0, p1, p2, p3, q0, q1, q2, q3;", "mov.b32 m, 0x000F000F;",
+            "mov.b32 c, 0x43004300;", "mov.b32 z, 0;"]
+    for unit in range(2):
+        text.append(_VALUES % dict(lo=words + 2 * unit, hi=words + 2 * unit + 1))
+        for block in range(blocks):
+            d = 8 * block + 4 * unit
+            dest = "{" + ",".join(f"${d + i}" for i in range(4)) + "}"
+            acc = "{z,z,z,z}" if first else "{" + ",".join(f"${accumulators + d + i}" for i in range(4)) + "}"
+            b = pairs + 4 * block
+            text.append(f"{_MMA} {dest}, {{p0,q0,p1,q1}}, {{${b},${b + 1}}}, {acc};")
+            text.append(f"{_MMA} {dest}, {{p2,q2,p3,q3}}, {{${b + 2},${b + 3}}}, {dest};")
+    return "\n".join(text + ["}"])
 
 
-_K_STEP_HEAD = ("{\n.reg .b32 m, c, s, z, p0, p1, p2, p3, q0, q1, q2, q3;\nmov.b32 m, 0x000F000F;\n"
-                "mov.b32 c, 0x43004300;\nmov.b32 z, 0;\n")
-_K_STEP = tl.constexpr(_K_STEP_HEAD + _unit(8, 0, 16) + _unit(10, 4, 20) + "}")
-_K_STEP_FIRST = tl.constexpr(_K_STEP_HEAD + _unit(8, 0, None) + _unit(10, 4, None) + "}")  # $8-$15 as _K_STEP's
+_K_STEP = tl.constexpr(_k_step(1, False))
+_K_STEP_FIRST = tl.constexpr(_k_step(1, True))
+_K_STEP_16 = tl.constexpr(_k_step(2, False))
+_K_STEP_16_FIRST = tl.constexpr(_k_step(2, True))
 
 # x's 8 inputs of a word row as 4 int32 (bf16 pairs (x0, x1) .. (x6, x7)) $4-$7 → (x_i, x_{i+4}), i = 0..3
 _X_PAIRS = tl.constexpr("""prmt.b32 $0, $4, $6, 0x5410;
@@ -114,12 +125,14 @@ mov.b32 $7, $15;""")
 @triton.jit
 def _asm(asm: tl.constexpr, args, OUTPUTS: tl.constexpr = 1, INT: tl.constexpr = False):
     """Inline PTX over one thread's 4 elements of each operand (pack=4, every operand 32 bits): OUTPUTS float32
-    tensors (a tuple of two for 2), or one int32 (INT)."""
+    tensors (a tuple for several), or one int32 (INT)."""
     constraints: tl.constexpr = "=r," * (4 * OUTPUTS) + "r," * (4 * len(args) - 1) + "r"
     if INT:
         out = tl.inline_asm_elementwise(asm, constraints, args, dtype=tl.int32, is_pure=True, pack=4)
     elif OUTPUTS == 2:
         out = tl.inline_asm_elementwise(asm, constraints, args, dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    elif OUTPUTS == 4:
+        out = tl.inline_asm_elementwise(asm, constraints, args, dtype=(tl.float32, ) * 4, is_pure=True, pack=4)
     else:
         out = tl.inline_asm_elementwise(asm, constraints, args, dtype=tl.float32, is_pure=True, pack=4)
     return out
@@ -164,11 +177,12 @@ def _x_pairs(x_row, word_row, o, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _group(acc_a, acc_b, x_row, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride_wk, group_size,
+def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride_wk, group_size,
            HAS_ZERO: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, STEPS: tl.constexpr,
-           WAIT: tl.constexpr):
-    """acc plus STEPS K steps from input k0 (one quantization group or part of one). The group's words load
-    first; WAIT: then wait for the kernel before (PDL), x being its output."""
+           WAIT: tl.constexpr, COLS: tl.constexpr):
+    """The accumulators (units A and B of column block 1, then of block 2 where COLS is 16) plus STEPS K steps
+    from input k0 (one quantization group or part of one). The group's words load first; WAIT: then wait for the
+    kernel before (PDL), x being its output."""
     w_rows = w_ptr + (k0 // 8) * stride_wk
     lanes = t * stride_wk + n
     rows_left = tl.cdiv(K, 8) - k0 // 8
@@ -191,24 +205,74 @@ def _group(acc_a, acc_b, x_row, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K,
     wait_for_inputs(WAIT)
     for s in tl.static_range(STEPS):
         words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
-        pairs = _x_pairs(x_row, k0 // 8 + x_t + 4 * s, o, K, GATED, EVEN_K)
-        if s == 0:  # a group's first products start from zero (no accumulator operands)
-            sums = _asm(_X_SUMS_FIRST, [pairs])  # x's, shared by every rep of the thread
-            c_a, c_b = _asm(_K_STEP_FIRST, [words, pairs], 2)
+        row = k0 // 8 + x_t + 4 * s
+        pairs = _x_pairs(x_rows[0], row, o, K, GATED, EVEN_K)
+        if COLS == 16:
+            pairs_2 = _x_pairs(x_rows[1], row, o, K, GATED, EVEN_K)
+            if s == 0:  # a group's first products start from zero (no accumulator operands)
+                sums = _asm(_X_SUMS_FIRST, [pairs])  # x's, shared by every rep of the thread
+                sums_2 = _asm(_X_SUMS_FIRST, [pairs_2])
+                c = _asm(_K_STEP_16_FIRST, [words, pairs, pairs_2], 4)
+            else:
+                sums = _asm(_X_SUMS, [pairs, sums])
+                sums_2 = _asm(_X_SUMS, [pairs_2, sums_2])
+                c = _asm(_K_STEP_16, [words, pairs, pairs_2, c[0], c[1], c[2], c[3]], 4)
         else:
-            sums = _asm(_X_SUMS, [pairs, sums])
-            c_a, c_b = _asm(_K_STEP, [words, pairs, c_a, c_b], 2)
-    acc_a = _asm(_EPILOGUE_A, [scale, neg, c_a, sums, acc_a])
-    acc_b = _asm(_EPILOGUE_B, [scale, neg, c_b, sums, acc_b])
-    return acc_a, acc_b
+            if s == 0:
+                sums = _asm(_X_SUMS_FIRST, [pairs])
+                c = _asm(_K_STEP_FIRST, [words, pairs], 2)
+            else:
+                sums = _asm(_X_SUMS, [pairs, sums])
+                c = _asm(_K_STEP, [words, pairs, c[0], c[1]], 2)
+    acc_a = _asm(_EPILOGUE_A, [scale, neg, c[0], sums, accs[0]])
+    acc_b = _asm(_EPILOGUE_B, [scale, neg, c[1], sums, accs[1]])
+    if COLS == 16:
+        out = (acc_a, acc_b, _asm(_EPILOGUE_A, [scale, neg, c[2], sums_2, accs[2]]),
+               _asm(_EPILOGUE_B, [scale, neg, c[3], sums_2, accs[3]]))
+    else:
+        out = (acc_a, acc_b)
+    return out
+
+
+@triton.jit
+def _add_row(part, r, y_ptr, ws_ptr, n, ok, M, N, ATOMIC: tl.constexpr):
+    """One of x's rows (r, per thread) of y's outputs n: added into ws (ATOMIC) or stored in y."""
+    part = tl.reshape(part, n.shape)
+    if ATOMIC:
+        tl.atomic_add(ws_ptr + r * N + n, part, mask=ok & (r < M), sem="relaxed")
+    else:
+        tl.store(y_ptr + r * N + n, part.to(y_ptr.dtype.element_ty), mask=ok & (r < M))
+
+
+@triton.jit
+def _add_rows(accs, block: tl.constexpr, y_ptr, ws_ptr, n, ok, t, M, N, ATOMIC: tl.constexpr):
+    """Column block `block`'s sums (units A and B) into rows 8 block + 2t and + 1 of y, or added into ws (ATOMIC):
+    regathered so that element o of `even` is output n of row 2t (of the block), of `odd` of row 2t + 1."""
+    even, odd = _asm(_REGATHER, [accs[2 * block], accs[2 * block + 1]], 2)
+    _add_row(even, 8 * block + 2 * t, y_ptr, ws_ptr, n, ok, M, N, ATOMIC)
+    _add_row(odd, 8 * block + 2 * t + 1, y_ptr, ws_ptr, n, ok, M, N, ATOMIC)
+
+
+@triton.jit
+def _finish_row(r, y_ptr, ws_ptr, n, ok, M, N):
+    tl.store(y_ptr + r * N + n, _take_sums(ws_ptr + r * N + n, ok & (r < M)).to(y_ptr.dtype.element_ty),
+             mask=ok & (r < M))
+
+
+@triton.jit
+def _finish_rows(block: tl.constexpr, y_ptr, ws_ptr, n, ok, t, M, N):
+    """Column block `block`'s rows of y from the workspace, for the program that added its tile's last split."""
+    _finish_row(8 * block + 2 * t, y_ptr, ws_ptr, n, ok, M, N)
+    _finish_row(8 * block + 2 * t + 1, y_ptr, ws_ptr, n, ok, M, N)
 
 
 @triton.jit
 def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wk,
                           group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                          REPS: tl.constexpr, GROUP_STEPS: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
-    """y[:M] = x[:M] W^T for M <= 8 rows of bf16 x and int4 W (wna16's layout, words along N): a program takes
+                          REPS: tl.constexpr, GROUP_STEPS: tl.constexpr, STEPS: tl.constexpr, COLS: tl.constexpr,
+                          PDL: tl.constexpr):
+    """y[:M] = x[:M] W^T for M <= COLS (8 or 16) rows of bf16 x and int4 W (wna16's layout, words along N): a program takes
     32 * REPS outputs (a multiple of WARPS) and STEPS K steps of 32 inputs from program_id(1) * k_per_split,
     GROUP_STEPS to a quantization group (or 4, one scale for all of K). ATOMIC: the K split's sums are added into
     ws (float32), and with FINISH the program adding the tile's last split writes y; else stored in y. EVEN_K,
@@ -228,28 +292,17 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     else:
         ok = n < N
     x_i = tl.arange(0, THREADS)[:, None] % 32  # x's operands are one rep's, shared by every rep of the thread
-    x_row = x_ptr + tl.minimum(x_i // 4, M - 1) * stride_xm  # B's column g is x's row g (row 0 past M)
+    # B's column g is x's row g (of block 2: 8 + g), row 0 past M
+    x_rows = (x_ptr + tl.minimum(x_i // 4, M - 1) * stride_xm, x_ptr + tl.minimum(8 + x_i // 4, M - 1) * stride_xm)
     x_t = x_i % 4
-    acc_a = tl.zeros([REPS * 32 // THREADS, THREADS, 4], dtype=tl.float32)
-    acc_b = tl.zeros([REPS * 32 // THREADS, THREADS, 4], dtype=tl.float32)
+    zeros = tl.zeros([REPS * 32 // THREADS, THREADS, 4], dtype=tl.float32)
+    accs = (zeros, zeros, zeros, zeros) if COLS == 16 else (zeros, zeros)
     for step in tl.static_range(0, STEPS, GROUP_STEPS):
-        acc_a, acc_b = _group(acc_a, acc_b, x_row, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k_begin + 32 * step, N, K,
-                              stride_wk, group_size, HAS_ZERO, GATED, EVEN_K, GROUP_STEPS, PDL and step == 0)
-    even, odd = _asm(_REGATHER, [acc_a, acc_b], 2)
-    even = tl.reshape(even, n.shape)
-    odd = tl.reshape(odd, n.shape)
-    row = 2 * t  # element o of `even` is output n of x's row 2t, of `odd` of row 2t + 1
-    ok_even = ok & (row < M)
-    ok_odd = ok & (row + 1 < M)
-    if ATOMIC:
-        tl.atomic_add(ws_ptr + row * N + n, even, mask=ok_even, sem="relaxed")
-        tl.atomic_add(ws_ptr + (row + 1) * N + n, odd, mask=ok_odd, sem="relaxed")
-        if FINISH:
-            if _last_split(counter_ptr + pid_n, tl.num_programs(1)):
-                tl.store(y_ptr + row * N + n, _take_sums(ws_ptr + row * N + n, ok_even).to(y_ptr.dtype.element_ty),
-                         mask=ok_even)
-                tl.store(y_ptr + (row + 1) * N + n,
-                         _take_sums(ws_ptr + (row + 1) * N + n, ok_odd).to(y_ptr.dtype.element_ty), mask=ok_odd)
-    else:
-        tl.store(y_ptr + row * N + n, even.to(y_ptr.dtype.element_ty), mask=ok_even)
-        tl.store(y_ptr + (row + 1) * N + n, odd.to(y_ptr.dtype.element_ty), mask=ok_odd)
+        accs = _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k_begin + 32 * step, N, K, stride_wk,
+                      group_size, HAS_ZERO, GATED, EVEN_K, GROUP_STEPS, PDL and step == 0, COLS)
+    for block in tl.static_range(COLS // 8):
+        _add_rows(accs, block, y_ptr, ws_ptr, n, ok, t, M, N, ATOMIC)
+    if ATOMIC and FINISH:
+        if _last_split(counter_ptr + pid_n, tl.num_programs(1)):
+            for block in tl.static_range(COLS // 8):
+                _finish_rows(block, y_ptr, ws_ptr, n, ok, t, M, N)

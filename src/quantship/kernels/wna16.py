@@ -161,7 +161,7 @@ def reference_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 @dataclass(frozen=True)
 class Blocks:
     kind: str  # "gemv" (CUDA cores, a program per row of x), "gemv_bf16x2" (the int4 GEMV two values per
-    # instruction, bf16 x on a GPU), "gemv_mma" (int4, up to 8 rows of bf16 x on tensor cores: wna16_mma),
+    # instruction, bf16 x on a GPU), "gemv_mma" (int4, up to 16 rows of bf16 x on tensor cores: wna16_mma),
     # "swap_dot" (tensor cores, the weight as the left operand, x permuted),
     # "swap_x" (the same products, x read as it is), "swap_bf16x2" (int4: one product per K tile, two values
     # dequantized per instruction; others take swap_x), "dequantize"
@@ -585,7 +585,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     m, n, k = x2.shape[0], packed.shape[1], in_features
     bf16x2 = bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda  # what its PTX takes
     blocks = blocks or choose_blocks(m, bf16x2, device_name(x))
-    if blocks.kind == "gemv_mma":  # tensor cores for up to 8 rows, where the kernel takes the call (wna16_mma)
+    if blocks.kind == "gemv_mma":  # tensor cores for up to 16 rows, where the kernel takes the call (wna16_mma)
         from quantship.kernels import wna16_mma
 
         if wna16_mma.takes(x2, packed, bits, group_size, k, blocks):

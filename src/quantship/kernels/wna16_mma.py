@@ -1,4 +1,4 @@
-"""The int4 GEMV on tensor cores (wna16's kind "gemv_mma", _mma_gemv_triton.py): 1 to 8 rows of bf16 x on a GPU
+"""The int4 GEMV on tensor cores (wna16's kind "gemv_mma", _mma_gemv_triton.py): 1 to 16 rows of bf16 x on a GPU
 with mma.sync (compute capability 8.0 on), the weight in wna16's layout as it is held (no second copy).
 
 Its inline PTX takes each thread's 4 elements of an operand as one lane's fragment of a warp's product, which holds
@@ -13,13 +13,13 @@ import torch
 from quantship.kernels import capability_major, dependent_launch
 from quantship.kernels.wna16 import Blocks, pack, reference_matmul, split_outputs
 
-ROWS = 8  # x's rows as the product's 8 columns
+ROWS = 16  # x's rows as the products' columns: one block of 8 up to 8 rows, two up to 16
 STEP = 32  # inputs a K step: 4 word rows, one per lane of a quad
 
 
 def fits(x2: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int, k: int) -> bool:
     """Whether the kernel takes x2 [M, K] (or [M, 2K] gated) and the weight: int4, bf16 x on a GPU with mma.sync
-    for bf16, at most 8 rows, whole K steps, groups of whole K steps, the words held along N (contiguous rows of
+    for bf16, at most 16 rows, whole K steps, groups of whole K steps, the words held along N (contiguous rows of
     N words, N a multiple of 4: each thread loads 4 words as one 16-byte vector) and x's rows read as bf16 pairs."""
     return (bits == 4 and x2.is_cuda and x2.dtype == torch.bfloat16 and capability_major(x2) >= 8
             and x2.shape[0] <= ROWS and k % STEP == 0 and (group_size >= k or group_size % STEP == 0)
@@ -56,7 +56,7 @@ def matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
         x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
         packed.stride(0), group_size, per_split, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=sums is not y,
         GATED=gated, EVEN_K=k % per_split == 0, EVEN_N=n % blocks.block_n == 0, REPS=blocks.block_n // 32,
-        GROUP_STEPS=per_group, STEPS=steps, num_warps=WARPS, **dependent_launch(x2))
+        GROUP_STEPS=per_group, STEPS=steps, COLS=8 if m <= 8 else 16, num_warps=WARPS, **dependent_launch(x2))
     return y.to(x2.dtype)
 
 
@@ -76,7 +76,7 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int, k:
 
 
 def agrees(device: torch.device, blocks: Blocks) -> bool:
-    """The tile against dequantize + matmul in float32 on random weights: 1, 3 and 8 rows, symmetric and with zero
+    """The tile against dequantize + matmul in float32 on random weights: 1, 3, 8 and 13 rows, symmetric and with zero
     points, groups of 32 and 128, a partial last output tile and K split, plain and gated x; within bf16 rounding of
     x's products (the weight's values and x are exact in the tensor core, sums in float32)."""
     g = torch.Generator().manual_seed(0)
@@ -86,7 +86,7 @@ def agrees(device: torch.device, blocks: Blocks) -> bool:
         packed = pack(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8), 4).to(device)
         scale = (torch.rand(k // group, n, generator=g) * 0.1 + 0.01).to(device, torch.bfloat16)
         zero = torch.randint(-8, 8, (k // group, n), generator=g, dtype=torch.int8).to(device) if asym else None
-        for m in (1, 3, 8):
+        for m in (1, 3, 8, 13):
             for gated in (False, True):
                 x = torch.randn(m, 2 * k if gated else k, generator=g).to(device, torch.bfloat16)
                 x_in = (torch.nn.functional.silu(x[:, :k]) * x[:, k:]) if gated else x
