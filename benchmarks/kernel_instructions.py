@@ -1,4 +1,5 @@
-"""CPU: the one-row W4A16 GEMV's instructions per packed word, as ptxas compiles it for Hopper (sm_90).
+"""CPU: the one-row W4A16 GEMV's instructions per packed word, as ptxas compiles it for Hopper (sm_90), and the
+tensor-core GEMV's (kernels.wna16_mma) for 1-8 and 9-16 rows of x.
 
 No GPU needed: Triton's compiler and the ptxas and cuobjdump its wheel carries run here. Each one-row tile
 the table holds (kernels.wna16: the shared table's and every GPU's own) is compiled as launched for a 6.7B
@@ -70,21 +71,32 @@ def sass_once(cubin: bytes) -> list[str]:
     return [op for address, op, _ in code if not any(lo <= address <= hi for lo, hi in loops) and op != "NOP"]
 
 
-def compile_call(blocks, gated: bool) -> list[str]:
+def compile_call(blocks, gated: bool, rows: int = 1) -> list[str]:
+    """The SASS a program of `blocks` runs once, compiled as launched for one of the layer's calls (`gated`: the down
+    projection's, SwiGLU's product made as x loads); the bf16x2 GEMV, or gemv_mma's for `rows` rows of x."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quantship.kernels import _wna16_triton as kernels
+    from quantship.kernels import _mma_gemv_triton as mma, _wna16_triton as kernels
 
-    fn = kernels.wna16_gemv_bf16x2_kernel
-    constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, SPANS=GROUP % blocks.block_k != 0,
-                      GATED=gated, EVEN_K=True, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, PDL=True,
-                      QUADS=False, stride_wn=1)
-    signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
+    if blocks.kind == "gemv_mma":
+        fn = mma.wna16_mma_gemv_kernel
+        constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, GATED=gated, EVEN_K=True, EVEN_N=True,
+                          REPS=blocks.block_n // 32, GROUP_STEPS=GROUP // 32, STEPS=blocks.block_k // 32,
+                          COLS=8 if rows <= 8 else 16, PDL=True)
+        aligned = tuple(name for name in ALIGNED if name != "counter_ptr")
+        signature = {name: kind for name, kind in SIGNATURE.items() if name != "stride_wn"}
+    else:
+        fn = kernels.wna16_gemv_bf16x2_kernel
+        constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, SPANS=GROUP % blocks.block_k != 0,
+                          GATED=gated, EVEN_K=True, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, PDL=True,
+                          QUADS=False, stride_wn=1)
+        aligned, signature = ALIGNED, SIGNATURE
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED})
+                    attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned})
     options = dict(num_warps=blocks.num_warps, launch_pdl=True)
     if blocks.max_registers:
         options["maxnreg"] = blocks.max_registers
@@ -109,27 +121,30 @@ def run(args) -> None:
 
     from quantship.kernels import wna16
 
-    tiles = {"the shared table": wna16.choose_blocks(1)}
-    tiles |= {device: own[(1, "gemv_bf16x2")] for device, own in wna16.DEVICE_TILES.items() if (1, "gemv_bf16x2") in own}
+    tiles = {"the shared table": (wna16.choose_blocks(1), 1)}
+    tiles |= {device: (own[(1, "gemv_bf16x2")], 1) for device, own in wna16.DEVICE_TILES.items()
+              if (1, "gemv_bf16x2") in own}
+    # the GEMV on tensor cores (kernels.wna16_mma) in a tile of each width it was compiled in, for 1-8 and 9-16 rows
+    tiles |= {f"gemv_mma, {rows} rows": (wna16.Blocks("gemv_mma", 16, 512, 128, -1, 4, 1), rows) for rows in (8, 16)}
     words = sum(n * k // 8 for n, k in LAYER.values())
     scale_bytes = sum(n * k // GROUP * 2 for n, k in LAYER.values())
     rows = []
-    for whose, blocks in tiles.items():
+    for whose, (blocks, x_rows) in tiles.items():
         threads = 32 * blocks.num_warps
         per_thread = blocks.block_n * blocks.block_k // 8 / threads  # packed words a thread multiplies
-        ops = {gated: Counter(compile_call(blocks, gated)) for gated in (False, True)}
+        ops = {gated: Counter(compile_call(blocks, gated, x_rows)) for gated in (False, True)}
         # the down projection is the gated call; the other three take x as it is
         layer_words = {gated: sum(n * k // 8 for name, (n, k) in LAYER.items() if (name == "down") == gated)
                        for gated in (False, True)}
         per_word = {gated: sum(ops[gated].values()) / per_thread for gated in (False, True)}
         warp_instructions = sum(layer_words[g] * per_word[g] for g in (False, True)) / 32
         floor_us = warp_instructions / (MULTIPROCESSORS * ISSUE_PER_CYCLE) / CLOCK_HZ * 1e6
-        row = {"tiles": whose, "block_n": blocks.block_n, "block_k": blocks.block_k, "num_warps": blocks.num_warps,
-               "words_per_thread": per_thread,
+        row = {"tiles": whose, "kind": blocks.kind, "rows_of_x": x_rows, "block_n": blocks.block_n,
+               "block_k": blocks.block_k, "num_warps": blocks.num_warps, "words_per_thread": per_thread,
                "instructions_per_word": per_word[False], "instructions_per_word_gated": per_word[True],
                "opcodes_per_word": {op: count / per_thread for op, count in ops[False].most_common(8)},
                "layer_warp_instructions": warp_instructions, "issue_floor_us": floor_us}
-        if whose != "the shared table":
+        if whose in MEASURED:
             row["measured_us"], bandwidth = measured(whose, blocks)
             row["measured_in"] = MEASURED.get(whose)
             if bandwidth:  # the words and their bf16 scales, read once at the copy bandwidth
@@ -143,7 +158,8 @@ def run(args) -> None:
 
 def render(paths: list[str]) -> None:
     text = ["## The one-row GEMV's instructions per packed word", "",
-            "`benchmarks/kernel_instructions.py` (CPU, no GPU): the bf16x2 GEMV compiled for sm_90 as launched for a "
+            "`benchmarks/kernel_instructions.py` (CPU, no GPU): the bf16x2 GEMV (in each table's one-row tiles) and "
+            "the GEMV on tensor cores (`gemv_mma`, for 1-8 rows and for 9-16) compiled for sm_90 as launched for a "
             "6.7B layer's four calls, the SASS a program runs once (outside loops, the finishing branch "
             "included) over the packed words (8 int4 values) each thread multiplies. The issue floor is the "
             "layer's warp instructions at 4 a cycle on 132 multiprocessors at 1.98 GHz; measured is a GPU sweep's "
