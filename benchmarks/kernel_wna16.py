@@ -137,9 +137,9 @@ def _tiles(m: int):
     entry = choose_blocks(m, device=this_device())
     out = [entry, replace(entry, finish=False)]
     if m <= 16:  # tensor cores for up to 16 rows (wna16_mma: a mma a word where the CUDA-core GEMV spends 4 FMAs and
-        # a split): 128-1,024 outputs by 128-512 inputs a program (`--kinds gemv_mma`)
-        out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (128, 256, 512, 1024) for bk in (128, 256, 512)
-                if bn * bk <= 256 * 512]
+        # a split): 256-1,024 outputs by 128-256 inputs a program (`--kinds gemv_mma`)
+        out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (256, 512, 1024) for bk in (128, 256)
+                if bn * bk <= 512 * 256]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
