@@ -87,6 +87,7 @@ def compile_call(blocks, gated: bool, rows: int = 1) -> list[str]:
                           COLS=8 if rows <= 8 else 16, PDL=True)
         aligned = tuple(name for name in ALIGNED if name != "counter_ptr")
         signature = {name: kind for name, kind in SIGNATURE.items() if name != "stride_wn"}
+        signature = dict(list(signature.items())[:7] + [("product_ptr", "*bf16")] + list(signature.items())[7:])
     else:
         fn = kernels.wna16_gemv_bf16x2_kernel
         constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, SPANS=GROUP % blocks.block_k != 0,

@@ -73,6 +73,10 @@ for bits in (4, 8):
             # operand as one lane's fragment of a warp's product, so every operand must be laid out 4 registers a
             # thread along the last axis, lane i % 32 of warp i // 32 along the middle one, and none converted
             mma = {k: v for k, v in matmul.items() if k != "stride_wn"}
+            mma = {**{k: v for k, v in mma.items() if k in ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr",
+                                                                "counter_ptr")}, "product_ptr": "*bf16",
+                   **{k: v for k, v in mma.items() if k in ("M", "N", "K", "stride_xm", "stride_wk", "group_size",
+                                                                "k_per_split")}}
             for gated in (False, True):
                 ttgir = compile(mma_gemv.wna16_mma_gemv_kernel, mma,
                                 dict(HAS_ZERO=zero, ATOMIC=True, FINISH=not zero, GATED=gated, EVEN_K=not gated, EVEN_N=gated,

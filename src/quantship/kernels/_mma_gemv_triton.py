@@ -157,32 +157,39 @@ def _words(w_rows, step, lanes, t, ok, stride_wk, rows_left, EVEN_K: tl.constexp
 
 
 @triton.jit
-def _x_pairs(x_row, word_row, o, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+def _x_pairs(x_row, word_row, o, K, EVEN_K: tl.constexpr):
     """x's inputs 8 word_row + o and + o + 4 as a bf16x2 word (o = 0..3): the B registers of a K step."""
-    if GATED:  # x's row is an MLP's gate and up side by side: SwiGLU's product, as the plain GEMV makes it
-        k = word_row * 8 + o
-        ok = k < K
-        lo = silu_mul_values(tl.load(x_row + k, mask=ok, other=0.0), tl.load(x_row + K + k, mask=ok, other=0.0))
-        hi = silu_mul_values(tl.load(x_row + k + 4, mask=ok, other=0.0),
-                             tl.load(x_row + K + k + 4, mask=ok, other=0.0))
-        lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return _threads(lo | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
     x32 = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
     if EVEN_K:
         xw = tl.load(x32 + word_row * 4 + o)
     else:
         xw = tl.load(x32 + word_row * 4 + o, mask=word_row * 8 < K, other=0)
-    xw = _threads(xw)
     return _asm(_X_PAIRS, [xw], INT=True)
 
 
 @triton.jit
-def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride_wk, group_size,
+def _swiglu_span(x_ptr, product_ptr, k_begin, M, K, stride_xm, SPAN: tl.constexpr, COLS: tl.constexpr):
+    """SiLU(gate) * up for x's rows and the program's inputs k_begin .. + SPAN, written to product_ptr ([M, K]) for
+    the program's K steps to read as they read x: made once a program, each thread a few values, where making them
+    per K step would repeat them for every lane that shares them (the same rounding as elementwise.silu_mul)."""
+    r = tl.arange(0, COLS)[:, None]
+    k = k_begin + tl.arange(0, SPAN)[None, :]
+    ok = (r < M) & (k < K)
+    gate = tl.load(x_ptr + r * stride_xm + k, mask=ok, other=0.0)
+    up = tl.load(x_ptr + r * stride_xm + K + k, mask=ok, other=0.0)
+    tl.store(product_ptr + r * K + k, silu_mul_values(gate, up), mask=ok)
+    tl.debug_barrier()  # every thread's values written before any thread reads its pairs
+
+
+@triton.jit
+def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride_wk, group_size, swiglu,
            HAS_ZERO: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, STEPS: tl.constexpr,
-           WAIT: tl.constexpr, COLS: tl.constexpr):
+           FIRST: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr, COLS: tl.constexpr):
     """The accumulators (units A and B of column block 1, then of block 2 where COLS is 16) plus STEPS K steps
-    from input k0 (one quantization group or part of one). The group's words load first; WAIT: then wait for the
-    kernel before (PDL), x being its output."""
+    from input k0 (one quantization group or part of one). The group's words load first; in the program's FIRST
+    group it then waits for the kernel before (PDL), x being its output, and where GATED makes the program's SPAN
+    inputs of SwiGLU's product (`swiglu`: x's pointer, the product's, k_begin, M, stride_xm), which x_rows point
+    into."""
     w_rows = w_ptr + (k0 // 8) * stride_wk
     lanes = t * stride_wk + n
     rows_left = tl.cdiv(K, 8) - k0 // 8
@@ -202,13 +209,16 @@ def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride
         neg = _threads(-(tl.load(z_ptr + group * N + n, mask=ok, other=0).to(tl.float32) + 136.0))
     else:
         neg = tl.full(scale.shape, -136.0, tl.float32)
-    wait_for_inputs(WAIT)
+    if FIRST:
+        wait_for_inputs(PDL)
+        if GATED:
+            _swiglu_span(swiglu[0], swiglu[1], swiglu[2], swiglu[3], K, swiglu[4], SPAN, COLS)
     for s in tl.static_range(STEPS):
         words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
         row = k0 // 8 + x_t + 4 * s
-        pairs = _x_pairs(x_rows[0], row, o, K, GATED, EVEN_K)
+        pairs = _x_pairs(x_rows[0], row, o, K, EVEN_K)
         if COLS == 16:
-            pairs_2 = _x_pairs(x_rows[1], row, o, K, GATED, EVEN_K)
+            pairs_2 = _x_pairs(x_rows[1], row, o, K, EVEN_K)
             if s == 0:  # a group's first products start from zero (no accumulator operands)
                 sums = _asm(_X_SUMS_FIRST, [pairs])  # x's, shared by every rep of the thread
                 sums_2 = _asm(_X_SUMS_FIRST, [pairs_2])
@@ -267,8 +277,8 @@ def _finish_rows(block: tl.constexpr, y_ptr, ws_ptr, n, ok, t, M, N):
 
 
 @triton.jit
-def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, stride_xm, stride_wk,
-                          group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr, product_ptr, M, N, K, stride_xm,
+                          stride_wk, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                           REPS: tl.constexpr, GROUP_STEPS: tl.constexpr, STEPS: tl.constexpr, COLS: tl.constexpr,
                           PDL: tl.constexpr):
@@ -277,7 +287,7 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     GROUP_STEPS to a quantization group (or 4, one scale for all of K). ATOMIC: the K split's sums are added into
     ws (float32), and with FINISH the program adding the tile's last split writes y; else stored in y. EVEN_K,
     EVEN_N: K and N whole tiles (no masks). GATED: x's rows are gate and up side by side, the input SwiGLU's
-    product."""
+    product, which each program writes for its inputs to product_ptr ([M, K], a scratch of the call's) first."""
     release_dependents(PDL)
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * k_per_split
@@ -293,13 +303,20 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
         ok = n < N
     x_i = tl.arange(0, THREADS)[:, None] % 32  # x's operands are one rep's, shared by every rep of the thread
     # B's column g is x's row g (of block 2: 8 + g), row 0 past M
-    x_rows = (x_ptr + tl.minimum(x_i // 4, M - 1) * stride_xm, x_ptr + tl.minimum(8 + x_i // 4, M - 1) * stride_xm)
+    if GATED:  # the pairs come from SwiGLU's product of gate and up, which the program writes first
+        x_in = product_ptr
+        stride_in = K
+    else:
+        x_in = x_ptr
+        stride_in = stride_xm
+    x_rows = (x_in + tl.minimum(x_i // 4, M - 1) * stride_in, x_in + tl.minimum(8 + x_i // 4, M - 1) * stride_in)
     x_t = x_i % 4
     zeros = tl.zeros([REPS * 32 // THREADS, THREADS, 4], dtype=tl.float32)
     accs = (zeros, zeros, zeros, zeros) if COLS == 16 else (zeros, zeros)
     for step in tl.static_range(0, STEPS, GROUP_STEPS):
         accs = _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k_begin + 32 * step, N, K, stride_wk,
-                      group_size, HAS_ZERO, GATED, EVEN_K, GROUP_STEPS, PDL and step == 0, COLS)
+                      group_size, (x_ptr, product_ptr, k_begin, M, stride_xm), HAS_ZERO, GATED, EVEN_K, GROUP_STEPS,
+                      step == 0, PDL, 32 * STEPS, COLS)
     for block in tl.static_range(COLS // 8):
         _add_rows(accs, block, y_ptr, ws_ptr, n, ok, t, M, N, ATOMIC)
     if ATOMIC and FINISH:

@@ -52,8 +52,9 @@ def matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
         y, sums, counters = split_outputs(x2, n, tiles, blocks.finish)
     else:
         y = sums = counters = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    product = torch.empty((m, k), dtype=x2.dtype, device=x2.device) if gated else x2  # SwiGLU's, made in the kernel
     wna16_mma_gemv_kernel[(tiles, splits)](
-        x2, packed, scale, zero if zero is not None else scale, y, sums, counters, m, n, k, x2.stride(0),
+        x2, packed, scale, zero if zero is not None else scale, y, sums, counters, product, m, n, k, x2.stride(0),
         packed.stride(0), group_size, per_split, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=sums is not y,
         GATED=gated, EVEN_K=k % per_split == 0, EVEN_N=n % blocks.block_n == 0, REPS=blocks.block_n // 32,
         GROUP_STEPS=per_group, STEPS=steps, COLS=8 if m <= 8 else 16, num_warps=WARPS, **dependent_launch(x2))
