@@ -164,7 +164,7 @@ def _x_pairs(x_row, word_row, o, K, EVEN_K: tl.constexpr):
         xw = tl.load(x32 + word_row * 4 + o)
     else:
         xw = tl.load(x32 + word_row * 4 + o, mask=word_row * 8 < K, other=0)
-    return _asm(_X_PAIRS, [xw], INT=True)
+    return _asm(_X_PAIRS, [_threads(xw)], INT=True)
 
 
 @triton.jit
