@@ -85,7 +85,7 @@ def compile_call(blocks, gated: bool, rows: int = 1) -> list[str]:
         constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, GATED=gated, EVEN_K=True, EVEN_N=True,
                           REPS=blocks.block_n // 32, GROUP_STEPS=GROUP // 32, STEPS=blocks.block_k // 32,
                           COLS=8 if rows <= 8 else 16, PDL=True)
-        aligned = tuple(name for name in ALIGNED if name != "counter_ptr")
+        aligned = (*ALIGNED, "product_ptr")
         signature = {name: kind for name, kind in SIGNATURE.items() if name != "stride_wn"}
         signature = dict(list(signature.items())[:7] + [("product_ptr", "*bf16")] + list(signature.items())[7:])
     else:

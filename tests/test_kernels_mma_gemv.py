@@ -50,9 +50,9 @@ def test_it_equals_dequantize_and_matmul(n, k, group, asym):
     zero = zero.cuda() if zero is not None else None
     x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
     for blocks in (TILE, Blocks("gemv_mma", 16, 128, 128, -1, 4, 1), Blocks("gemv_mma", 16, 512, 512, -1, 4, 1)):
-        assert wna16_mma.takes(x_all, packed, 4, group, k, blocks)
         for m in (1, 2, 5, 8, 9, 16):
             x = x_all[:m]
+            assert wna16_mma.takes(x, packed, scale, zero, 4, group, k, blocks)
             ref = wna16.reference_matmul(x, packed, scale, zero, 4, k, group)
             out = wna16_mma.matmul(x, packed, scale, zero, k, group, blocks)
             assert out.shape == (m, n) and out.dtype == torch.bfloat16
@@ -82,6 +82,6 @@ def test_the_table_routes_a_row_to_it_where_asked_and_it_checks_first():
     x = torch.randn(1, 4096).cuda().bfloat16()
     wna16_mma._CHECKED.clear()
     y = wna16.matmul(x, packed, scale, zero, 4, 4096, 128, blocks=TILE)
-    assert wna16_mma._CHECKED == {(x.device, TILE): True}
+    assert list(wna16_mma._CHECKED.values()) == [True]  # this call's kind, checked against the reference first
     ref = wna16.reference_matmul(x, packed, scale, zero, 4, 4096, 128)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3

@@ -588,7 +588,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if blocks.kind == "gemv_mma":  # tensor cores for up to 16 rows, where the kernel takes the call (wna16_mma)
         from quantship.kernels import wna16_mma
 
-        if wna16_mma.takes(x2, packed, bits, group_size, k, blocks):
+        if wna16_mma.takes(x2, packed, scale, zero, bits, group_size, k, blocks, gated):
             return wna16_mma.matmul(x2, packed, scale, zero, k, group_size, blocks, gated).reshape(*shape[:-1], n)
         blocks = BLOCKS_BY_M[0][1]  # else the CUDA-core GEMV's own tiles
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
