@@ -286,7 +286,7 @@ def tinygemm(x, values: torch.Tensor, scale: torch.Tensor):
 
 def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds: tuple[str, ...] = (),
                ms: tuple[int, ...] = tuple(MS)) -> tuple[list[dict], dict]:
-    from quantship.kernels import wna16
+    from quantship.kernels import wna16, wna16_mma
 
     rows, sweep_times = [], {}
     w4 = random_packed(n, k, 4, True, copies=max(2, (256 << 20) // (n * k // 2)), keep_values=True)
@@ -319,6 +319,9 @@ def time_shape(label: str, n: int, k: int, bandwidth: float, sweep: bool, kinds:
             entry = wna16.choose_blocks(m, device=this_device())  # the table's entry, both ways, is timed in any sweep
             for blocks in dict.fromkeys(candidates(m)):  # the table's entry may be a candidate too
                 if kinds and kind_of(blocks) not in kinds and blocks not in (entry, replace(entry, finish=False)):
+                    continue
+                if blocks.kind == "gemv_mma" and not wna16_mma.takes(x, *w4[0], 4, GROUP, k, blocks):
+                    print("declined (another kernel would run)", blocks)  # its own check failed, or it cannot take x
                     continue
                 try:
                     got = wna16.matmul(x, *w4[0], 4, k, GROUP, blocks=blocks).float()
