@@ -39,6 +39,11 @@ def test_it_declines_what_it_cannot_take():
     y = wna16.matmul(x.float(), packed, scale, zero, 4, 128, 128, blocks=TILE)
     ref = wna16.reference_matmul(x.float(), packed, scale, zero, 4, 128, 128)
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+    # 12 rows of a gated input: the shared table's 16-row tile, which takes x as it is, gets SwiGLU's product
+    x = torch.randn(12, 256)
+    y = wna16.matmul(x, packed, scale, zero, 4, 128, 128, blocks=TILE, gated=True)
+    ref = wna16.reference_matmul(F.silu(x[:, :128]) * x[:, 128:], packed, scale, zero, 4, 128, 128)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.skipif(not GPU, reason="inline PTX for mma.sync: a GPU of compute capability 8.0 or later")

@@ -590,7 +590,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
 
         if wna16_mma.takes(x2, packed, scale, zero, bits, group_size, k, blocks, gated):
             return wna16_mma.matmul(x2, packed, scale, zero, k, group_size, blocks, gated).reshape(*shape[:-1], n)
-        blocks = BLOCKS_BY_M[0][1]  # else the CUDA-core GEMV's own tiles
+        blocks = choose_blocks(m, bf16x2)  # else the shared table's kernel for M (a GPU's own tiles hold gemv_mma)
+        if gated and blocks.kind not in GEMV_KINDS:  # which takes x as it is: SwiGLU's product first, bf16 ops
+            x2, gated = (F.silu(x2[:, :k]) * x2[:, k:]).contiguous(), False
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
     if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # a product per value position
