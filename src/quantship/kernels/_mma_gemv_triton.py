@@ -40,21 +40,18 @@ _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 # 8-15): outputs unit A's and B's accumulators of block 1 ($0-$3, $4-$7), then of block 2; inputs the words (outputs
 # 4g .. 4g + 3), x's pairs of each block, then the accumulators as output (none in a group's first K step: zeros).
 # m, c: the nibble mask and bf16 128.0; each unit's values are made once for both blocks.
-_VALUES = """lop3.b32 p0, $%(lo)d, m, c, 0xea;
-lop3.b32 q0, $%(hi)d, m, c, 0xea;
-shr.u32 s, $%(lo)d, 4;
-lop3.b32 p1, s, m, c, 0xea;
-shr.u32 s, $%(hi)d, 4;
-lop3.b32 q1, s, m, c, 0xea;
-shr.u32 s, $%(lo)d, 8;
-lop3.b32 p2, s, m, c, 0xea;
-shr.u32 s, $%(hi)d, 8;
-lop3.b32 q2, s, m, c, 0xea;
-shr.u32 s, $%(lo)d, 12;
-lop3.b32 p3, s, m, c, 0xea;
-shr.u32 s, $%(hi)d, 12;
-lop3.b32 q3, s, m, c, 0xea;
-"""
+def _values(lo: int, hi: int) -> str:
+    """Words $lo and $hi (a unit's rows g and g + 8) to bf16x2 registers p0-p3 and q0-q3: nibbles (i, i + 4) of
+    each as 128 + value, i = 0..3, one lop3 each after a shift of 4i."""
+    lines = []
+    for i in range(4):
+        for word, reg in ((lo, "p"), (hi, "q")):
+            source = f"${word}"
+            if i:
+                lines.append(f"shr.u32 s, ${word}, {4 * i};")
+                source = "s"
+            lines.append(f"lop3.b32 {reg}{i}, {source}, m, c, 0xea;")
+    return "\n".join(lines)
 
 
 def _k_step(blocks: int, first: bool) -> str:
@@ -64,7 +61,7 @@ def _k_step(blocks: int, first: bool) -> str:
     text = ["{", ".reg .b32 m, c, s, z, p0, p1, p2, p3, q0, q1, q2, q3;", "mov.b32 m, 0x000F000F;",
             "mov.b32 c, 0x43004300;", "mov.b32 z, 0;"]
     for unit in range(2):
-        text.append(_VALUES % dict(lo=words + 2 * unit, hi=words + 2 * unit + 1))
+        text.append(_values(words + 2 * unit, words + 2 * unit + 1))
         for block in range(blocks):
             d = 8 * block + 4 * unit
             dest = "{" + ",".join(f"${d + i}" for i in range(4)) + "}"
