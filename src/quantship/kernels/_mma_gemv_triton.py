@@ -201,6 +201,8 @@ def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride
     if STEPS > 3:
         w3 = _words(w_rows, 3, lanes, t, ok, stride_wk, rows_left, EVEN_K)
     group = k0 // group_size
+    if not EVEN_K:  # a last split's groups past K have no scales: 0 (their words and x load as zeros)
+        ok = ok & (k0 < K)
     scale = _threads(tl.load(s_ptr + group * N + n, mask=ok, other=0.0).to(tl.float32))
     if HAS_ZERO:
         neg = _threads(-(tl.load(z_ptr + group * N + n, mask=ok, other=0).to(tl.float32) + 136.0))

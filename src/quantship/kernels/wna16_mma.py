@@ -67,6 +67,7 @@ def matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
 
 
 _CHECKED: dict[tuple, bool] = {}
+CHECKED_OUTPUTS = 1024  # outputs of a call compared with the reference: every lane's and warp's, several programs'
 
 
 def specialization(*args) -> tuple:
@@ -79,9 +80,9 @@ def specialization(*args) -> tuple:
 def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
           group_size: int, k: int, blocks: Blocks, gated: bool = False) -> bool:
     """fits, and the kernel as compiled for this call (its tiles, constexprs and Triton's specialization of its
-    arguments) gave this call's own result within bf16 rounding of dequantize + matmul in float32: checked on the
-    first call of each such kind per device (never during CUDA-graph capture: until an eager call has checked it,
-    the CUDA-core GEMV takes them)."""
+    arguments) gave this call's own result (its first CHECKED_OUTPUTS outputs) within bf16 rounding of dequantize +
+    matmul in float32: checked on the first call of each such kind per device (never during CUDA-graph capture:
+    until an eager call has checked it, the shared table's kernel takes them)."""
     if not fits(x2, packed, bits, group_size, k):
         return False
     m, n = x2.shape[0], packed.shape[1]
@@ -93,8 +94,12 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         if torch.cuda.is_current_stream_capturing():
             return False
         x_in = torch.nn.functional.silu(x2[:, :k]) * x2[:, k:] if gated else x2  # bf16 ops, rounded as the kernel's
-        ref = reference_matmul(x_in, packed, scale, zero, bits, k, group_size)
-        out = matmul(x2, packed, scale, zero, k, group_size, blocks, gated).float()
+        # the first outputs' reference only: dequantizing the whole weight in float32 would take 4 bytes a weight
+        # (360 MB for a 6.7B layer's gate and up) at engine start, next to a KV cache sized to the memory left
+        cols = min(n, CHECKED_OUTPUTS)
+        ref = reference_matmul(x_in, packed[:, :cols], scale[:, :cols], None if zero is None else zero[:, :cols],
+                               bits, k, group_size)
+        out = matmul(x2, packed, scale, zero, k, group_size, blocks, gated)[:, :cols].float()
         error = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         _CHECKED[key] = error < 1e-2  # a lane holding other values than its PTX assumes is off by order 1
     return _CHECKED[key]
