@@ -37,6 +37,7 @@ MULTIPROCESSORS, ISSUE_PER_CYCLE, CLOCK_HZ = 132, 4, 1.98e9  # H100 SXM and H200
 # the last sweep one had (the GEMV's code has changed little since: its per-layer time in the engine's stop-49 profile
 # was 45 µs), the H100's from stop 52.
 MEASURED = {"NVIDIA H100 80GB HBM3": "kernel_wna16_narrow_h100.json", "NVIDIA H200": "kernel_wna16_h200_sweep.json"}
+MMA_MEASURED = "kernel_wna16_mma_h100.json"  # gemv_mma's only sweep so far (stop 53, an H100)
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
              "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
              "stride_wk": "i32", "stride_wn": "i32", "group_size": "i32", "k_per_split": "i32"}
@@ -104,15 +105,15 @@ def compile_call(blocks, gated: bool, rows: int = 1) -> list[str]:
     return sass_once(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
 
 
-def measured(device: str, blocks) -> tuple[float | None, float | None]:
-    """(the layer's four calls in `blocks`, µs; the copy bandwidth, bytes/s) from the GPU sweep registered for
-    `device` (its M=1 ranking), or None for what it lacks."""
-    path = RESULTS / MEASURED.get(device, "-")
+def measured(name: str, blocks, m: int = 1) -> tuple[float | None, float | None]:
+    """(the layer's four calls in `blocks` at M rows, µs; the copy bandwidth, bytes/s) from the GPU sweep file
+    `name` (its ranking for M), or None for what it lacks."""
+    path = RESULTS / name
     if not path.exists():
         return None, None
     r = json.loads(path.read_text())
     fields = ("kind", "block_n", "block_k", "split_k", "num_warps", "max_registers", "finish")
-    times = [seconds * 1e6 for tile, seconds in r["ranking"].get("1", [])
+    times = [seconds * 1e6 for tile, seconds in r["ranking"].get(str(m), [])
              if all(tile.get(f, 0) == getattr(blocks, f) for f in fields)]
     return (times[0] if times else None), r.get("copy_bandwidth")
 
@@ -145,9 +146,10 @@ def run(args) -> None:
                "instructions_per_word": per_word[False], "instructions_per_word_gated": per_word[True],
                "opcodes_per_word": {op: count / per_thread for op, count in ops[False].most_common(8)},
                "layer_warp_instructions": warp_instructions, "issue_floor_us": floor_us}
-        if whose in MEASURED:
-            row["measured_us"], bandwidth = measured(whose, blocks)
-            row["measured_in"] = MEASURED.get(whose)
+        sweep = MEASURED.get(whose) or (MMA_MEASURED if blocks.kind == "gemv_mma" else None)
+        if sweep:  # gemv_mma: its 1-8 row tile as timed at one row, its 9-16 row tile at 16
+            row["measured_us"], bandwidth = measured(sweep, blocks, 1 if x_rows <= 8 else 16)
+            row["measured_in"] = sweep
             if bandwidth:  # the words and their bf16 scales, read once at the copy bandwidth
                 row["memory_floor_us"] = (words * 4 + scale_bytes) / bandwidth * 1e6
         rows.append(row)

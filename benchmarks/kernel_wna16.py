@@ -651,6 +651,12 @@ PARTIAL_SWEEPS = {
     "kernel_wna16_narrow_k_h100": "the same narrow tiles with the packed words held along K (`--words k`), each "
                                   "output's words contiguous for a deep tile's loads: 512x128 59.0 µs a layer, the "
                                   "narrow ones 65.3-119.6. Neither layout lets a narrow tile lead",
+    "kernel_wna16_mma_h100": "the GEMV on tensor cores (`gemv_mma`, kernels.wna16_mma; stop 53, H100, `--kinds "
+                             "gemv_mma --ms 1 16`): at one row 512x256 took 44.8 µs a layer against 49.5 for the "
+                             "H100's bf16x2 GEMV (1.10x; 512x128 45.2, 256x128 45.9), ahead on every one of the four "
+                             "shapes; at 16 rows 76.4 against 58.8 for the stream-K swap tile, behind on all four. Not "
+                             "in the table yet: the engine has not timed it (`engine_throughput.py quick --gemv-tile "
+                             "512 256 4 --gemv-kind gemv_mma`)",
 }
 
 
