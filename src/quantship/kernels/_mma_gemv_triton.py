@@ -1,27 +1,27 @@
-"""The int4 GEMV on tensor cores for 1 to 8 rows of bf16 x (wna16's "gemv_mma"; GPU only: inline PTX).
+"""The int4 GEMV on tensor cores for 1 to 16 rows of bf16 x (wna16's "gemv_mma"; GPU only: inline PTX).
 
 Each warp issues `mma.sync.m16n8k16` with the weight as A (16 outputs by 16 inputs, dequantized in registers) and
-x as B (16 inputs by 8 columns, column c taking x's row c, or row 0 again past M), so one instruction multiplies
-a word of each lane, where the CUDA-core GEMV spends 4 bf16x2 FMAs and a split of halves on it. The weight stays
-in wna16's layout (packed [K/8, N], words held along N): a mma's operand order is free to choose as long as A's and
-B's agree, and it is chosen to match the words as they lie:
+x as B (16 inputs by 8 columns, column c taking x's row c, or row 0 again past M; a second block of 8 columns for
+rows 8-15), so one instruction multiplies a word of each lane, where the CUDA-core GEMV spends 4 bf16x2 FMAs and a
+split of halves on it. The weight stays in wna16's layout (packed [K/8, N], words held along N): a product's
+operand order is free to choose as long as A's and B's agree, and it is chosen to match the words as they lie:
 
-- Lane 4g + t of a warp loads 4 consecutive words of word row 8j' (j' = the K step's first + t), outputs
-  4g .. 4g + 3 of its 32: one 16-byte load. Words o and o + 1 (o = 0, 2) give one unit's A rows g and g + 8;
-  unit A takes outputs 4g, 4g + 1, unit B 4g + 2, 4g + 3, so a warp's two units cover 32 outputs.
+- Lane 4g + t of a warp loads 4 consecutive words of word row j (inputs 8j .. 8j + 7, j = the K step's first
+  word row + t), outputs 4g .. 4g + 3 of its 32: one 16-byte load. Words o and o + 1 (o = 0, 2) give one unit's
+  A rows g and g + 8; unit A takes outputs 4g, 4g + 1, unit B 4g + 2, 4g + 3, so a warp's two units cover 32.
 - A word's nibbles i and i + 4 go into one bf16x2 register by one lop3 (as 128 + value: the exponent trick), the
   pair the A fragment wants at a lane's columns (2t, 2t + 1) or (2t + 8, 2t + 9). Nibbles (0, 4) and (1, 5) of
   words o and o + 1 make the A operand of the K step's first product; (2, 6) and (3, 7) the second. The same
   inputs of x, (x_i, x_{i+4}) paired by a prmt, are B's registers, so both products multiply matching inputs.
-- The 128 + 8 (+ zero point) every value carries is taken off once per group: a third product with ones as A gives
+- The 128 + 8 (+ zero point) every value carries is taken off once per group: a product with ones as A gives
   the sums of x, in the accumulator's layout, and the group's epilogue adds scale * (C - offset * sum) in
   float32. Products and sums are exact in the tensor core (8-bit integers times bf16, accumulated in float32).
 
-The layout is Triton's, asked for, not declared: every operand is a [reps, warps, 8, 4, 4] tensor (rep, warp, g,
-t, o) loaded from contiguous runs of 4 along o, which Triton lays out as 4 registers a thread, lane 4g + t, the
-warp on its axis (tests/test_kernels_compile.py checks the compiled layout; wna16 checks the results once per
-device against the plain kernels before it takes this one). Inline PTX with pack=4 then sees one thread's
-4 words, pairs or sums as one block.
+The layout is Triton's, asked for, not declared: every operand is loaded 2-D, [reps * threads, 4] from runs of 4
+along the last axis, and reshaped to [reps, threads, 4], which Triton 3.6 and 3.9 both lay out as 4 registers a
+thread with thread i (lane i % 32 of warp i // 32) on the middle axis. Inline PTX with pack=4 then sees one
+thread's 4 words, pairs or sums as one block. tests/test_kernels_compile.py checks the compiled layout, and
+wna16_mma.takes checks the first call of each compiled kind against the reference before the kernel serves it.
 """
 
 import triton
@@ -36,10 +36,6 @@ THREADS = tl.constexpr(32 * WARPS)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
-# One K step (4 word rows, 32 inputs) of a thread's two units, for one or two blocks of 8 columns (x's rows 0-7,
-# 8-15): outputs unit A's and B's accumulators of block 1 ($0-$3, $4-$7), then of block 2; inputs the words (outputs
-# 4g .. 4g + 3), x's pairs of each block, then the accumulators as output (none in a group's first K step: zeros).
-# m, c: the nibble mask and bf16 128.0; each unit's values are made once for both blocks.
 def _values(lo: int, hi: int) -> str:
     """Words $lo and $hi (a unit's rows g and g + 8) to bf16x2 registers p0-p3 and q0-q3: nibbles (i, i + 4) of
     each as 128 + value, i = 0..3, one lop3 each after a shift of 4i."""
@@ -55,6 +51,10 @@ def _values(lo: int, hi: int) -> str:
 
 
 def _k_step(blocks: int, first: bool) -> str:
+    """One K step (4 word rows, 32 inputs) of a thread's two units, for `blocks` blocks of 8 columns (x's rows 0-7,
+    8-15): outputs unit A's and B's accumulators of block 1 ($0-$3, $4-$7), then of block 2; inputs the words
+    (outputs 4g .. 4g + 3), x's pairs of each block, then the accumulators as output (none where `first`, a group's
+    first K step: zeros). m, c: the nibble mask and bf16 128.0; each unit's values are made once for all blocks."""
     outputs = 8 * blocks
     words, pairs = outputs, outputs + 4
     accumulators = pairs + 4 * blocks
