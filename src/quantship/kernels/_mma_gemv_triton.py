@@ -1,7 +1,7 @@
 """The int4 GEMV on tensor cores for 1 to 16 rows of bf16 x (wna16's "gemv_mma"; GPU only: inline PTX).
 
 Each warp issues `mma.sync.m16n8k16` with the weight as A (16 outputs by 16 inputs, dequantized in registers) and
-x as B (16 inputs by 8 columns, column c taking x's row c, or row 0 again past M; a second block of 8 columns for
+x as B (16 inputs by 8 columns, column c taking x's row c, or its last row again past M; a second block of 8 columns for
 rows 8-15), so one instruction multiplies a word of each lane, where the CUDA-core GEMV spends 4 bf16x2 FMAs and a
 split of halves on it. The weight stays in wna16's layout (packed [K/8, N], words held along N): a product's
 operand order is free to choose as long as A's and B's agree, and it is chosen to match the words as they lie:
@@ -301,7 +301,7 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     else:
         ok = n < N
     x_i = tl.arange(0, THREADS)[:, None] % 32  # x's operands are one rep's, shared by every rep of the thread
-    # B's column g is x's row g (of block 2: 8 + g), row 0 past M
+    # B's column g is x's row g (of block 2: 8 + g), its last row past M (those columns are not stored)
     if GATED:  # the pairs come from SwiGLU's product of gate and up, which the program writes first
         x_in = product_ptr
         stride_in = K

@@ -449,7 +449,8 @@ def cpu_matmul(x: torch.Tensor, made: tuple[torch.Tensor, torch.Tensor], bits: i
 
 def takes_gated(rows: int, x: torch.Tensor, bits: int) -> bool:
     """Whether matmul(gated=True) takes `rows` rows like x: only the GEMVs make SwiGLU's product in their
-    loads of x (each input is loaded once per program there; a tensor-core tile would remake it per thread)."""
+    loads of x (each input is loaded once per program there; a tensor-core tile would remake it per thread), and
+    gemv_mma once per program into a scratch (where it declines a call, matmul makes the product first)."""
     return choose_blocks(rows, bits == 4 and x.dtype == torch.bfloat16 and x.is_cuda,
                          device_name(x)).kind in (*GEMV_KINDS, "gemv_mma")
 
