@@ -854,9 +854,19 @@ def this_device() -> str | None:
 DEVICE_MIN_GAIN = 0.02  # a device's own tiles must beat the table's by this much in its sweep (its noise)
 
 
+def _device_kinds(ours, limit: int | None) -> tuple[str, ...]:
+    """The kernels a device's own tiles may hold for a class of the table whose entry is `ours`: its kind, and for
+    the bf16 classes up to 16 rows the GEMV on tensor cores (wna16_mma), which declines what it cannot take to the
+    table's own entry, so the class's kind still serves those calls."""
+    if ours.kind in ("gemv_bf16x2", "swap_bf16x2") and limit is not None and limit <= 16:
+        return ours.kind, "gemv_mma"
+    return (ours.kind,)
+
+
 def device_tiles(r: dict) -> dict:
     """A sweep's winners as its device's own tiles (its DEVICE_TILES entry): for each class of BLOCKS_BY_M the
-    sweep timed, its fastest tiles of the class's kind where they ran at least DEVICE_MIN_GAIN faster than
+    sweep timed, its fastest tiles of the class's kind (or gemv_mma's, _device_kinds) where they ran at least
+    DEVICE_MIN_GAIN faster than
     BLOCKS_BY_M's (the sweep times them too), else none; the device's entries for classes the sweep did not
     time stay. The classes and kinds stay the table's; where another kind won a class, that is printed: a
     new table, for adopt without --device."""
@@ -868,12 +878,12 @@ def device_tiles(r: dict) -> dict:
         times = dict(ranking.get(limit, []))
         if ours not in times:  # a class the sweep did not time (or not the table's tiles): left as it was
             continue
-        theirs = min((b for b in times if b.kind == ours.kind), key=times.get)
+        theirs = min((b for b in times if b.kind in _device_kinds(ours, limit)), key=times.get)
         own.pop((limit, ours.kind), None)
         if times[theirs] < (1 - DEVICE_MIN_GAIN) * times[ours]:
             own[(limit, ours.kind)] = class_pdl(theirs, limit, BLOCKS_BY_M)
         first = ranking[limit][0][0]
-        if first.kind != ours.kind and ours.kind != "gemv":  # the float32 GEMV is the one-row fallback
+        if first.kind not in _device_kinds(ours, limit) and ours.kind != "gemv":  # the float32 GEMV: the fallback
             print(f"M={limit}: {_short(first)} ran fastest on the {r['device']}, another kernel than the "
                   f"table's {ours.kind}: not a device's tiles (adopt without --device makes it the table)")
     return own

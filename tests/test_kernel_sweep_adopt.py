@@ -221,3 +221,23 @@ def test_the_sweep_times_a_classs_stream_tiles_with_its_pdl_setting():
         tiles = kernel_wna16.candidates(m)
         assert any(b.stream for b in tiles) and all(b.pdl == on for b in tiles if b.stream)
         assert not any(b.pdl for b in tiles if not b.stream)
+
+
+def test_the_gemv_on_tensor_cores_may_be_a_gpus_own_tiles_for_the_bf16_classes(monkeypatch):
+    """adopt --device: gemv_mma (kernels.wna16_mma), ahead of the one-row class's bf16x2 GEMV by the margin, becomes
+    the device's tile for that class (under the class's kind, which table_for looks up); at 16 rows, behind the
+    swap tile, it does not; calls it declines go to the shared table's entry (wna16.matmul)."""
+    swap16 = Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True, stream=3, pdl=True)
+    table = [(1, GEMV), (1, FLOAT_GEMV), (16, swap16), (None, WHOLE)]
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", table)
+    mma = Blocks("gemv_mma", 16, 512, 256, -1, 4, 1)
+    r = ranking(**{"1": [(mma, 0.90), (GEMV, 1.0)], "16": [(swap16, 1.0), (mma, 1.3)]})
+    r["device"] = "made up"
+    assert kernel_wna16.device_tiles(r) == {(1, "gemv_bf16x2"): mma}
+    monkeypatch.setattr(wna16, "DEVICE_TILES", {"made up": kernel_wna16.device_tiles(r)})
+    assert wna16.choose_blocks(1, device="made up") == mma and wna16.choose_blocks(16, device="made up") == swap16
+    assert eval(kernel_wna16.device_tiles_source(wna16.DEVICE_TILES), {"Blocks": Blocks}) == wna16.DEVICE_TILES
+    # what takes the calls it declines: never itself, even where a table's own entry for the class is gemv_mma
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [(1, mma)] + table)
+    assert wna16.choose_blocks(1) == mma and wna16.choose_blocks(1, mma=False) == GEMV
+    assert wna16.choose_blocks(1, bf16x2=False, mma=False) == FLOAT_GEMV

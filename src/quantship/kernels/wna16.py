@@ -262,11 +262,13 @@ def table_for(device: str | None = None) -> list[tuple[int | None, Blocks]]:
     return [(limit, own.get((limit, b.kind), b)) for limit, b in BLOCKS_BY_M]
 
 
-def choose_blocks(m: int, bf16x2: bool = True, device: str | None = None) -> Blocks:
+def choose_blocks(m: int, bf16x2: bool = True, device: str | None = None, mma: bool = True) -> Blocks:
     """The table's tiles for M rows on `device` (a GPU's name: table_for); without bf16x2 (its PTX takes
-    int4 and bf16 x, on a GPU) one row takes the GEMV's entry, whose tiles were measured for every dtype."""
+    int4 and bf16 x, on a GPU) one row takes the GEMV's entry, whose tiles were measured for every dtype;
+    without mma, past any gemv_mma entry (what takes a call that kernel declines)."""
     return next(b for limit, b in table_for(device)
-                if (limit is None or m <= limit) and (bf16x2 or b.kind != "gemv_bf16x2"))
+                if (limit is None or m <= limit) and (bf16x2 or b.kind != "gemv_bf16x2")
+                and (mma or b.kind != "gemv_mma"))
 
 
 def supports(bits: int, group_size: int, in_features: int) -> bool:
@@ -591,7 +593,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
 
         if wna16_mma.takes(x2, packed, scale, zero, bits, group_size, k, blocks, gated):
             return wna16_mma.matmul(x2, packed, scale, zero, k, group_size, blocks, gated).reshape(*shape[:-1], n)
-        blocks = choose_blocks(m, bf16x2)  # else the shared table's kernel for M (a GPU's own tiles hold gemv_mma)
+        blocks = choose_blocks(m, bf16x2, mma=False)  # else the shared table's other kernel for M
         if gated and blocks.kind not in GEMV_KINDS:  # which takes x as it is: SwiGLU's product first, bf16 ops
             x2, gated = (F.silu(x2[:, :k]) * x2[:, k:]).contiguous(), False
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
