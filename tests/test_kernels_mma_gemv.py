@@ -31,6 +31,14 @@ def test_group_steps_divide_the_group():
     assert wna16_mma.group_steps(4096, 4096) == 4  # one scale for all of K
 
 
+def test_a_tile_of_other_than_whole_warp_reps_is_declined():
+    """A program's outputs are whole reps of its 4 warps' 32 each (a 64-output tile would be no tensor at all), and
+    at least one K step deep."""
+    assert wna16_mma.tile_fits(TILE) and wna16_mma.tile_fits(Blocks("gemv_mma", 16, 128, 32, -1, 4, 1))
+    assert not wna16_mma.tile_fits(Blocks("gemv_mma", 16, 64, 128, -1, 4, 1))
+    assert not wna16_mma.tile_fits(Blocks("gemv_mma", 16, 256, 16, -1, 4, 1))
+
+
 def test_it_declines_what_it_cannot_take():
     """float32 x (and the CPU): the call goes to the shared table's kernel for its rows, with the right answer."""
     device = "cuda" if torch.cuda.is_available() else "cpu"

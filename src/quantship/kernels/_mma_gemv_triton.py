@@ -30,8 +30,8 @@ import triton.language as tl
 from quantship.kernels._elementwise_triton import silu_mul_values
 from quantship.kernels._pdl_triton import release_dependents, wait_for_inputs
 from quantship.kernels._wna16_triton import _last_split, _take_sums
+from quantship.kernels.wna16_mma import WARPS  # a program's warps: the launch's num_warps
 
-WARPS = 4  # a program's warps (the launch's num_warps)
 THREADS = tl.constexpr(32 * WARPS)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"

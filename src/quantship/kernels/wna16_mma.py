@@ -14,6 +14,7 @@ from quantship.kernels import capability_major, dependent_launch
 from quantship.kernels.wna16 import Blocks, reference_matmul, split_outputs
 
 ROWS = 16  # x's rows as the products' columns: one block of 8 up to 8 rows, two up to 16
+WARPS = 4  # a program's warps (the kernel's WARPS; here so that checking a tile imports no Triton)
 STEP = 32  # inputs a K step: 4 word rows, one per lane of a quad
 
 
@@ -26,6 +27,11 @@ def fits(x2: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int, k: 
             and packed.stride(1) == 1 and packed.shape[1] % 4 == 0 and packed.stride(0) % 4 == 0
             and packed.data_ptr() % 16 == 0 and x2.stride(1) == 1 and x2.stride(0) % 2 == 0
             and x2.data_ptr() % 4 == 0)
+
+
+def tile_fits(blocks: Blocks) -> bool:
+    """Whether the kernel can run in these tiles: outputs whole reps of its warps' 32 each, a K step deep at least."""
+    return blocks.block_n % (32 * WARPS) == 0 and blocks.block_k >= STEP
 
 
 def group_steps(group_size: int, k: int) -> int:
@@ -46,7 +52,7 @@ def matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
            group_size: int, blocks: Blocks, gated: bool = False) -> torch.Tensor:
     """y [M, N] in x's dtype: a program per block_n outputs (a multiple of 128) and block_k inputs (whole K steps,
     a multiple of the group's), K split over programs and finished in the kernel as the GEMVs finish it."""
-    from quantship.kernels._mma_gemv_triton import WARPS, wna16_mma_gemv_kernel
+    from quantship.kernels._mma_gemv_triton import wna16_mma_gemv_kernel
 
     m, n = x2.shape[0], packed.shape[1]
     per_group, steps = group_steps(group_size, k), _steps(blocks, group_size, k)
@@ -83,7 +89,7 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     arguments) gave this call's own result (its first CHECKED_OUTPUTS outputs) within bf16 rounding of dequantize +
     matmul in float32: checked on the first call of each such kind per device (never during CUDA-graph capture:
     until an eager call has checked it, the shared table's kernel takes them)."""
-    if not fits(x2, packed, bits, group_size, k):
+    if not (tile_fits(blocks) and fits(x2, packed, bits, group_size, k)):
         return False
     m, n = x2.shape[0], packed.shape[1]
     per_split = STEP * _steps(blocks, group_size, k)
