@@ -127,7 +127,8 @@ def run(args) -> None:
     tiles |= {device: (own[(1, "gemv_bf16x2")], 1) for device, own in wna16.DEVICE_TILES.items()
               if (1, "gemv_bf16x2") in own}
     # the GEMV on tensor cores (kernels.wna16_mma) in a tile of each width it was compiled in, for 1-8 and 9-16 rows
-    tiles |= {f"gemv_mma, {rows} rows": (wna16.Blocks("gemv_mma", 16, 512, 128, -1, 4, 1), rows) for rows in (8, 16)}
+    tiles |= {f"gemv_mma, {rows} rows": (wna16.Blocks("gemv_mma", 16, 512, 128, -1, 4, 1), last)
+              for rows, last in (("1-8", 8), ("9-16", 16))}
     words = sum(n * k // 8 for n, k in LAYER.values())
     scale_bytes = sum(n * k // GROUP * 2 for n, k in LAYER.values())
     rows = []

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from quantship.kernels import capability_major, dependent_launch, device_name, sm_count
+from quantship.kernels.elementwise import reference_silu_mul
 
 
 def words_per_column(in_features: int, bits: int) -> int:
@@ -594,8 +595,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         if wna16_mma.takes(x2, packed, scale, zero, bits, group_size, k, blocks, gated):
             return wna16_mma.matmul(x2, packed, scale, zero, k, group_size, blocks, gated).reshape(*shape[:-1], n)
         blocks = choose_blocks(m, bf16x2, mma=False)  # else the shared table's other kernel for M
-        if gated and blocks.kind not in GEMV_KINDS:  # which takes x as it is: SwiGLU's product first, bf16 ops
-            x2, gated = (F.silu(x2[:, :k]) * x2[:, k:]).contiguous(), False
+        if gated and blocks.kind not in GEMV_KINDS:  # which takes x as it is: SwiGLU's product first
+            x2, gated = reference_silu_mul(x2[:, :k], x2[:, k:]).contiguous(), False
     if blocks.kind == "gemv_bf16x2" and not bf16x2:  # asked for by name (sweeps, tests): the same tiles
         blocks = replace(blocks, kind="gemv")
     if blocks.kind == "swap_bf16x2" and not pairs_fit(bits, group_size, k):  # a product per value position

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from quantship.kernels import capability_major, dependent_launch
+from quantship.kernels.elementwise import reference_silu_mul
 from quantship.kernels.wna16 import Blocks, reference_matmul, split_outputs
 
 ROWS = 16  # x's rows as the products' columns: one block of 8 up to 8 rows, two up to 16
@@ -99,7 +100,7 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if key not in _CHECKED:
         if torch.cuda.is_current_stream_capturing():
             return False
-        x_in = torch.nn.functional.silu(x2[:, :k]) * x2[:, k:] if gated else x2  # bf16 ops, rounded as the kernel's
+        x_in = reference_silu_mul(x2[:, :k], x2[:, k:]) if gated else x2  # bf16 ops, rounded as the kernel's
         # the first outputs' reference only: dequantizing the whole weight in float32 would take 4 bytes a weight
         # (360 MB for a 6.7B layer's gate and up) at engine start, next to a KV cache sized to the memory left
         cols = min(n, CHECKED_OUTPUTS)
