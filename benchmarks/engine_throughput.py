@@ -179,14 +179,15 @@ EARLIER_REFERENCE = ("In this run the reference took the fused MoE kernels too, 
 
 
 def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, steps: int = 512,
-                     ids: list[list[int]] | None = None) -> dict:
+                     ids: list[list[int]] | None = None, at_once: int | None = None) -> dict:
     """W4A16 through the kernels against the same weights through dequantize + F.linear, greedy: on
     the reference side every packed Linear dequantizes and MoE layers loop over their experts (no fused
     MoE kernels, no CUDA graphs).
 
     Generations are compared token by token up to the first divergence; then every step is checked
     teacher-forced: the kernel path's top-1 at each position of the reference generation. `ids`: the
-    prompts (default: `prompts` random ones of 16 tokens)."""
+    prompts (default: `prompts` random ones of 16 tokens). `at_once`: requests the engine runs together (default:
+    all; 1 decodes one row a step, the GEMV classes' kernels)."""
     from quantship.engine.config import EngineConfig
     from quantship.engine.engine import LLMEngine
     from quantship.engine.sampling_params import SamplingParams
@@ -196,7 +197,7 @@ def greedy_agreement(fast, reference_path_model, vocab: int, prompts: int = 8, s
     ids = ids or torch.randint(3, vocab, (prompts, 16)).tolist()
     prompts = len(ids)
     longest = max(len(p) for p in ids)
-    config = EngineConfig(max_num_seqs=prompts, max_num_batched_tokens=prompts * longest,
+    config = EngineConfig(max_num_seqs=at_once or prompts, max_num_batched_tokens=prompts * longest,
                           max_model_len=longest + steps + 16, kv_cache_bytes=8 << 30)
 
     def generate(model, use_kernel: bool) -> list[list[int]]:
@@ -244,7 +245,10 @@ def agreement_on_bundled(out: Path, steps: int = 512, device: str = "cuda") -> d
         result = {"model": "bundled tiny DeepSeek-V3 (trained)",
                   "device": torch.cuda.get_device_name() if device == "cuda" else device,
                   "pdl": os.environ.get("QUANTSHIP_PDL", "default"),
-                  **greedy_agreement(w4, w4, model.config.vocab_size, steps=steps, ids=ids)}
+                  **greedy_agreement(w4, w4, model.config.vocab_size, steps=steps, ids=ids),
+                  # the same requests one at a time: decode steps of one row, the GEMV's (the batch runs 8)
+                  "one_at_a_time": greedy_agreement(w4, w4, model.config.vocab_size, steps=steps, ids=ids,
+                                                    at_once=1)}
     print(result, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "agreement_bundled_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -815,7 +819,10 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 52 (`quick --batches 1 --quads --no-norm-fold --gemv-tile 64 256 2`, alternating): W4A16 with "
+    "": {"H100, stop 54 (`quick --batches 1 16 --gemv-tile 512 256 4 --gemv-kind gemv_mma`, alternating): the H100's "
+         "table then (its own one-row GEMV, bf16x2 512x128), and with the GEMV on tensor cores (kernels.wna16_mma) "
+         "in 512x256 tiles at 1 and at 16 rows (adopted after this run for one row only)": "_s54_mma_h100",
+         "H100, stop 52 (`quick --batches 1 --quads --no-norm-fold --gemv-tile 64 256 2`, alternating): W4A16 with "
          "each decode step's norms made in the packed GEMV after them (commit 8ef2a10, reverted after this run; the "
          "quads and 64x256 lines have them too), with every norm a launch of its own (the code since), with the "
          "GEMV adding its sums four at once, and with the one-row GEMV in 64x256 tiles": "_s52_h100",
@@ -1065,7 +1072,11 @@ def render() -> None:
                   f"dequantize + F.linear, {a['prompts']} prompts from its held-out text x {a['steps']} steps: "
                   f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.2%}, identical prefixes "
                   f"{a['identical_prefix_tokens']} tokens"
-                  + (f" (QUANTSHIP_PDL={a['pdl']})" if "pdl" in a else "") + ". "
+                  + (f" (QUANTSHIP_PDL={a['pdl']})" if "pdl" in a else "")
+                  + (f"; run one at a time (decode steps of one row): teacher-forced top-1 agreement "
+                     f"{a['one_at_a_time']['teacher_forced_top1_agreement']:.2%}, identical prefixes "
+                     f"{a['one_at_a_time']['identical_prefix_tokens']} tokens" if "one_at_a_time" in a else "")
+                  + ". "
                   + (f"Reference: {a['reference']}." if "reference" in a else EARLIER_REFERENCE), ""]
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
               "per-head keys and values.", "", kv_table()]

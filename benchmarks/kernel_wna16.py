@@ -654,9 +654,12 @@ PARTIAL_SWEEPS = {
     "kernel_wna16_mma_h100": "the GEMV on tensor cores (`gemv_mma`, kernels.wna16_mma; stop 53, H100, `--kinds "
                              "gemv_mma --ms 1 16`): at one row 512x256 took 44.8 µs a layer against 49.5 for the "
                              "H100's bf16x2 GEMV (1.10x; 512x128 45.2, 256x128 45.9), ahead on every one of the four "
-                             "shapes; at 16 rows 76.4 against 58.8 for the stream-K swap tile, behind on all four. Not "
-                             "in the table yet: the engine has not timed it (`engine_throughput.py quick --gemv-tile "
-                             "512 256 4 --gemv-kind gemv_mma`)",
+                             "shapes; at 16 rows 76.4 against 58.8 for the stream-K swap tile, behind on all four",
+    "kernel_wna16_mma_h100_m1": "the same at one row on stop 54's code (the part-empty K split's scales masked), "
+                                "H100: 512x256 44.7 µs a layer against 49.3 for its bf16x2 GEMV in the same run; "
+                                "the engine's batch-1 decode step took 1.89 ms with it against 2.17 with the H100's "
+                                "bf16x2 GEMV (engine_throughput quick, stop 54), so `adopt --device` made it the "
+                                "H100's one-row tile",
 }
 
 
@@ -866,26 +869,32 @@ def _device_kinds(ours, limit: int | None) -> tuple[str, ...]:
 def device_tiles(r: dict) -> dict:
     """A sweep's winners as its device's own tiles (its DEVICE_TILES entry): for each class of BLOCKS_BY_M the
     sweep timed, its fastest tiles of the class's kind (or gemv_mma's, _device_kinds) where they ran at least
-    DEVICE_MIN_GAIN faster than
-    BLOCKS_BY_M's (the sweep times them too), else none; the device's entries for classes the sweep did not
-    time stay. The classes and kinds stay the table's; where another kind won a class, that is printed: a
-    new table, for adopt without --device."""
+    DEVICE_MIN_GAIN faster than the class's entry the sweep timed: the device's own tiles where it has them
+    (a sweep on that GPU times its table, table_for), else BLOCKS_BY_M's. A class where the table's own tiles
+    come out fastest loses the device's entry; one where nothing beat the timed entry by the margin keeps it;
+    classes the sweep did not time stay as they were. The classes and kinds stay the table's; where another
+    kind won a class, that is printed: a new table, for adopt without --device."""
     from quantship.kernels.wna16 import BLOCKS_BY_M, DEVICE_TILES
 
     ranking = runnable_ranking(r)
     own = dict(DEVICE_TILES.get(r["device"], {}))
-    for limit, ours in BLOCKS_BY_M:
+    for limit, shared in BLOCKS_BY_M:
         times = dict(ranking.get(limit, []))
-        if ours not in times:  # a class the sweep did not time (or not the table's tiles): left as it was
+        key = (limit, shared.kind)
+        timed = own[key] if own.get(key) in times else shared
+        if timed not in times:  # a class the sweep did not time (or not the table's tiles): left as it was
             continue
-        theirs = min((b for b in times if b.kind in _device_kinds(ours, limit)), key=times.get)
-        own.pop((limit, ours.kind), None)
-        if times[theirs] < (1 - DEVICE_MIN_GAIN) * times[ours]:
-            own[(limit, ours.kind)] = class_pdl(theirs, limit, BLOCKS_BY_M)
+        theirs = min((b for b in times if b.kind in _device_kinds(shared, limit)), key=times.get)
+        if theirs == shared:
+            own.pop(key, None)
+        elif times[theirs] < (1 - DEVICE_MIN_GAIN) * times[timed]:
+            own[key] = class_pdl(theirs, limit, BLOCKS_BY_M)
+        elif timed == shared:
+            own.pop(key, None)
         first = ranking[limit][0][0]
-        if first.kind not in _device_kinds(ours, limit) and ours.kind != "gemv":  # the float32 GEMV: the fallback
+        if first.kind not in _device_kinds(shared, limit) and shared.kind != "gemv":  # the float32 GEMV: the fallback
             print(f"M={limit}: {_short(first)} ran fastest on the {r['device']}, another kernel than the "
-                  f"table's {ours.kind}: not a device's tiles (adopt without --device makes it the table)")
+                  f"table's {shared.kind}: not a device's tiles (adopt without --device makes it the table)")
     return own
 
 

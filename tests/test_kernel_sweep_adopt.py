@@ -241,3 +241,21 @@ def test_the_gemv_on_tensor_cores_may_be_a_gpus_own_tiles_for_the_bf16_classes(m
     monkeypatch.setattr(wna16, "BLOCKS_BY_M", [(1, mma)] + table)
     assert wna16.choose_blocks(1) == mma and wna16.choose_blocks(1, mma=False) == GEMV
     assert wna16.choose_blocks(1, bf16x2=False, mma=False) == FLOAT_GEMV
+
+
+def test_a_gpu_with_tiles_of_its_own_is_judged_against_them(monkeypatch):
+    """A sweep on a GPU that already has its own tiles for a class times those, not BLOCKS_BY_M's (table_for):
+    adopt --device weighs the candidates against what was timed. gemv_mma 5% ahead of the device's own GEMV
+    replaces it, 1% ahead keeps it, and the shared table's tiles coming out fastest drop the device's entry."""
+    swap16 = Blocks("swap_bf16x2", 16, 128, 128, 8, 4, 3, tma=True, stream=3, pdl=True)
+    monkeypatch.setattr(wna16, "BLOCKS_BY_M", [(1, GEMV), (1, FLOAT_GEMV), (16, swap16), (None, WHOLE)])
+    wide = Blocks("gemv_bf16x2", 1, 512, 128, -1, 4, 1)
+    monkeypatch.setattr(wna16, "DEVICE_TILES", {"made up": {(1, "gemv_bf16x2"): wide}})
+    mma = Blocks("gemv_mma", 16, 512, 256, -1, 4, 1)
+    for gain, expected in ((0.95, mma), (0.99, wide)):
+        r = ranking(**{"1": [(mma, gain), (wide, 1.0)]})
+        r["device"] = "made up"
+        assert kernel_wna16.device_tiles(r) == {(1, "gemv_bf16x2"): expected}
+    r = ranking(**{"1": [(GEMV, 0.99), (wide, 1.0), (mma, 1.1)]})
+    r["device"] = "made up"
+    assert kernel_wna16.device_tiles(r) == {}

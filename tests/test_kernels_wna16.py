@@ -508,15 +508,22 @@ def test_table_gives_one_row_the_bf16x2_gemv_only_where_its_ptx_applies():
 
 def test_a_gpus_own_tiles_replace_the_tables_in_their_class_only():
     """DEVICE_TILES changes tiles, never the classes or their kernels (so what dequantizes, and from how many
-    rows, is the same on every GPU); a GPU without tiles of its own, or no GPU, takes BLOCKS_BY_M."""
+    rows, is the same on every GPU), but for the GEMV on tensor cores in a bf16 class of up to 16 rows, which
+    declines what it cannot take to that class's kernel; a GPU without tiles of its own, or no GPU, takes
+    BLOCKS_BY_M."""
+    def kernel(limit, b):
+        return b.kind if b.kind != "gemv_mma" else wna16.choose_blocks(limit, mma=False).kind
+
     kinds = [(limit, b.kind) for limit, b in wna16.BLOCKS_BY_M]
     for device, own in wna16.DEVICE_TILES.items():
         table = wna16.table_for(device)
-        assert [(limit, b.kind) for limit, b in table] == kinds
+        assert [(limit, kernel(limit, b)) for limit, b in table] == kinds
         assert [entry for entry in table if entry not in wna16.BLOCKS_BY_M] == [
             (limit, b) for (limit, _), b in own.items()]
         for (limit, kind), blocks in own.items():
-            assert blocks.kind == kind and (kind == "gemv" or wna16.choose_blocks(limit, device=device) == blocks)
+            assert kernel(limit, blocks) == kind
+            assert blocks.kind != "gemv_mma" or (kind in ("gemv_bf16x2", "swap_bf16x2") and limit <= 16)
+            assert kind == "gemv" or wna16.choose_blocks(limit, device=device) == blocks
     assert wna16.table_for("a GPU without tiles of its own") == wna16.table_for(None) == wna16.BLOCKS_BY_M
     # one row without the bf16x2 PTX takes the float32 GEMV's entry, on a GPU whose own tiles are bf16x2 ones too
     for device, own in wna16.DEVICE_TILES.items():

@@ -243,13 +243,15 @@ TARGET_PROGRAMS = 264  # two per multiprocessor of an H200: enough memory reques
 # A GPU's own tiles where its sweep chose others than BLOCKS_BY_M's, by torch.cuda.get_device_name: (M class,
 # kind) → tiles of that kind for that class (`benchmarks/kernel_wna16.py adopt --device`). The H200, one row:
 # 512 outputs by 64 inputs (a layer's four calls 44.5 µs against 47.8 for the table's 256 x 128; the engine's
-# batch-1 W4A16 step 1.93-1.96 ms against 2.12, BENCHMARKS.md).
+# batch-1 W4A16 step 1.93-1.96 ms against 2.12, BENCHMARKS.md). The H100, one row: the GEMV on tensor cores (wna16_mma) in
+# 512 x 256 tiles (44.7 µs a layer against 49.3 for its bf16x2 GEMV in 512 x 128; the engine's batch-1 step 1.89 ms
+# against 2.17). Calls gemv_mma declines go to the shared table's GEMV (wna16.matmul).
 DEVICE_TILES: dict[str, dict[tuple[int | None, str], Blocks]] = {
     "NVIDIA H200": {
         (1, "gemv_bf16x2"): Blocks("gemv_bf16x2", 1, 512, 64, -1, 4, 1),
     },
     "NVIDIA H100 80GB HBM3": {
-        (1, "gemv_bf16x2"): Blocks("gemv_bf16x2", 1, 512, 128, -1, 4, 1),
+        (1, "gemv_bf16x2"): Blocks("gemv_mma", 16, 512, 256, -1, 4, 1),
     },
 }
 
@@ -265,10 +267,10 @@ def table_for(device: str | None = None) -> list[tuple[int | None, Blocks]]:
 
 def choose_blocks(m: int, bf16x2: bool = True, device: str | None = None, mma: bool = True) -> Blocks:
     """The table's tiles for M rows on `device` (a GPU's name: table_for); without bf16x2 (its PTX takes
-    int4 and bf16 x, on a GPU) one row takes the GEMV's entry, whose tiles were measured for every dtype;
-    without mma, past any gemv_mma entry (what takes a call that kernel declines)."""
+    int4 and bf16 x, on a GPU, as gemv_mma's does) one row takes the GEMV's entry, whose tiles were measured
+    for every dtype; without mma, past any gemv_mma entry (what takes a call that kernel declines)."""
     return next(b for limit, b in table_for(device)
-                if (limit is None or m <= limit) and (bf16x2 or b.kind != "gemv_bf16x2")
+                if (limit is None or m <= limit) and (bf16x2 or b.kind not in ("gemv_bf16x2", "gemv_mma"))
                 and (mma or b.kind != "gemv_mma"))
 
 
