@@ -947,7 +947,8 @@ MOE_ANATOMY = (
 
 def quick_rerun_note(suffix: str) -> list[str]:
     """The quick re-runs of a shape's W4A16 / bf16 decode (engine_throughput.py quick), as a small table."""
-    runs = {label: RESULTS / f"engine_quick_gpu{suffix}{tail}.json" for label, tail in QUICK_RUNS[suffix].items()}
+    runs = {label: RESULTS / f"engine_quick_gpu{suffix}{tail}.json"
+            for label, tail in QUICK_RUNS.get(suffix, {}).items()}
     rows, levers = [], []
     for label, path in runs.items():
         if not path.exists():
@@ -1024,7 +1025,8 @@ def render() -> None:
              "against transformers' `generate` on the same weights at the same batch size, measured in the same "
              "run (median of three alternating runs per side). "
              "`python benchmarks/engine_throughput.py run --where cpu|gpu`.", ""]
-    for where, suffix in (("cpu", ""), ("gpu", ""), ("gpu", "_v2-lite")):
+    # the H200's dense run, the H100's (a second GPU's figures for the same goals), the MoE shape's
+    for where, suffix in (("cpu", ""), ("gpu", ""), ("gpu", "_h100"), ("gpu", "_v2-lite")):
         path = RESULTS / f"engine_throughput_{where}{suffix}.json"
         if not path.exists():
             continue
