@@ -140,6 +140,9 @@ def _tiles(m: int):
         # a split): 256-1,024 outputs by 128-256 inputs a program (`--kinds gemv_mma`)
         out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (256, 512, 1024) for bk in (128, 256)
                 if bn * bk <= 512 * 256]
+    if 1 < m <= 16:  # past a row its K splits' atomic adds grow with the rows (16 rows: a 6.7B layer's 11 µs more
+        # than one row's, H100, stop 53), so deeper programs, fewer splits: 128-256 outputs by 512-1,024 inputs
+        out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (128, 256) for bk in (512, 1024)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
