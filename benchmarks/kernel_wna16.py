@@ -140,9 +140,8 @@ def _tiles(m: int):
         # a split): 256-1,024 outputs by 128-256 inputs a program (`--kinds gemv_mma`)
         out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (256, 512, 1024) for bk in (128, 256)
                 if bn * bk <= 512 * 256]
-    if 1 < m <= 16:  # past a row its K splits' atomic adds grow with the rows (16 rows: a 6.7B layer's 11 µs more
-        # than one row's, H100, stop 53), so deeper programs, fewer splits: 128-256 outputs by 512-1,024 inputs
-        out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (128, 256) for bk in (512, 1024)]
+        # neither deeper programs at 16 rows (512-1,024 inputs: fewer K splits' atomic adds) nor capped registers
+        # (more programs a multiprocessor, a few bytes spilled) came out ahead on an H100 (stop 54): not swept
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
@@ -663,6 +662,17 @@ PARTIAL_SWEEPS = {
                                 "the engine's batch-1 decode step took 1.89 ms with it against 2.17 with the H100's "
                                 "bf16x2 GEMV (engine_throughput quick, stop 54), so `adopt --device` made it the "
                                 "H100's one-row tile",
+    "kernel_wna16_mma_deep_h100": "gemv_mma at 16 rows in deeper programs, 128-256 outputs by 512-1,024 inputs (stop "
+                                  "54, H100): fewer K splits, so fewer atomic adds of float32 sums (an ncu profile "
+                                  "of the 16-row gate+up call, 512x256: 1.05 M reduction sectors into L2 against "
+                                  "66 K at one row). No faster: down 17.4 µs in 128x1024 against 17.1 in 256x256, "
+                                  "the stream-K swap tile 13.4; the sums' reductions are not what holds it back",
+    "kernel_wna16_mma_caps_h100": "gemv_mma with registers capped (stop 54, H100): the profile put the 16-row "
+                                  "512x256 program at 255 registers (2 programs a multiprocessor, 11% of the "
+                                  "warps it could hold, DRAM 44% busy; one row 160 registers, 3 programs, DRAM "
+                                  "64%). Capped at 128 or 168 (3-4 programs, 8-512 bytes spilled a thread) it was "
+                                  "slower at both one and 16 rows: 16 rows 78.1 µs a layer at best against 77.7 "
+                                  "uncapped and 60.4 for the stream-K swap tile",
 }
 
 
