@@ -625,7 +625,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
           profile: bool = False, tag: str = "", ablate: bool = False, pdl: bool = False, words: bool = False,
           no_tma: bool = False, no_stream: bool = False, shared_table: bool = False, prefetch: int = 0,
           quads: bool = False, gemv_tile: tuple[int, int, int] | None = None, gemv_words: str = "n",
-          gemv_kind: str = "gemv_bf16x2") -> None:
+          gemv_kind: str = "gemv_bf16x2", gemv_stages: int = 1) -> None:
     """W4A16 against bf16 in the engine only (batch 1 and 16 unless asked, 64 tokens; the TTFT of 2,048
     tokens): a short check between full runs, with programmatic dependent launch as the environment has
     it (by default on for every kernel but the swap tiles past 16 rows). `pdl`: each side with it off, on for every
@@ -639,7 +639,8 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
     stream-K tiles prefetching that many K tiles before their wait (w4a16_pdl_prefetch), alternating. `quads`: W4A16
     also with the GEMV adding its sums four per vector reduction (w4a16_quads), alternating. `gemv_tile` (outputs,
     inputs, warps): W4A16 also with the one-row GEMV in those tiles, its words held along `gemv_words` (w4a16_gemv_tile),
-    alternating; `gemv_kind` "gemv_mma": that side's one-row product on tensor cores (kernels.wna16_mma) instead."""
+    alternating; `gemv_kind` "gemv_mma": that side's one-row product on tensor cores (kernels.wna16_mma) instead,
+    its words in `gemv_stages` stages (2: each group's loaded while the group before computes)."""
     torch.manual_seed(0)
     hf, ours, _, _ = load_pair("gpu", shape, layers)
     with torch.inference_mode():  # the prefill reference, before the engines take the memory
@@ -677,7 +678,7 @@ def quick(out: Path, shape: str = "coder-6.7b", layers: int | None = None, batch
 
     knobs = {"w4a16_pdl_prefetch": {"prefetch": prefetch}, "w4a16_quads": {"quads": True},  # sides of one setting
              "w4a16_gemv_tile": {"gemv": gemv_tile and Blocks(gemv_kind, 16 if gemv_kind == "gemv_mma" else 1,
-                                                              *gemv_tile[:2], -1, gemv_tile[2], 1)}}
+                                                              *gemv_tile[:2], -1, gemv_tile[2], gemv_stages)}}
 
     def kernels(name):  # the kernel table a side runs
         if name in knobs:
@@ -1136,6 +1137,9 @@ def main() -> None:
                    help="the --gemv-tile side's packed words held along N (the default) or along K")
     q.add_argument("--gemv-kind", choices=("gemv_bf16x2", "gemv_mma"), default="gemv_bf16x2",
                    help="the --gemv-tile side's kernel: the CUDA-core GEMV, or tensor cores (kernels.wna16_mma)")
+    q.add_argument("--gemv-stages", type=int, choices=(1, 2), default=1,
+                   help="the --gemv-tile side's stages of words (gemv_mma; 2: each group's loaded while the group "
+                        "before computes)")
     q.add_argument("--table-only", action="store_true",
                    help="W4A16 through the table every GPU shares, not this GPU's own tiles (kernels.wna16.DEVICE_TILES)")
     q.add_argument("--tag", default="", help="appended to the result file's name (engine_quick_gpu<shape><tag>.json)")
@@ -1159,7 +1163,8 @@ def main() -> None:
             MoE.fold_shared = False
         quick(args.out, args.shape, args.layers, tuple(args.batches), args.profile, args.tag, args.ablate,
               args.pdl, args.words, args.no_tma, args.no_stream,
-              args.shared_table, args.prefetch, args.quads, args.gemv_tile, args.gemv_words, args.gemv_kind)
+              args.shared_table, args.prefetch, args.quads, args.gemv_tile, args.gemv_words, args.gemv_kind,
+              args.gemv_stages)
     elif args.cmd == "run":
         run(args.where, args.out, args.shape, args.layers, args.batches, not args.no_agreement)
         if args.out == RESULTS:

@@ -37,7 +37,7 @@ MULTIPROCESSORS, ISSUE_PER_CYCLE, CLOCK_HZ = 132, 4, 1.98e9  # H100 SXM and H200
 # the last sweep one had (the GEMV's code has changed little since: its per-layer time in the engine's stop-49 profile
 # was 45 µs), the H100's from stop 52.
 MEASURED = {"NVIDIA H100 80GB HBM3": "kernel_wna16_narrow_h100.json", "NVIDIA H200": "kernel_wna16_h200_sweep.json"}
-MMA_MEASURED = "kernel_wna16_mma_h100.json"  # gemv_mma's only sweep so far (stop 53, an H100)
+MMA_MEASURED = "kernel_wna16_mma_h100.json"  # gemv_mma's sweep of both its row ranges in the same tiles (stop 53, H100)
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
              "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
              "stride_wk": "i32", "stride_wn": "i32", "group_size": "i32", "k_per_split": "i32"}
@@ -85,7 +85,7 @@ def compile_call(blocks, gated: bool, rows: int = 1) -> list[str]:
         fn = mma.wna16_mma_gemv_kernel
         constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, GATED=gated, EVEN_K=True, EVEN_N=True,
                           REPS=blocks.block_n // 32, GROUP_STEPS=GROUP // 32, STEPS=blocks.block_k // 32,
-                          COLS=8 if rows <= 8 else 16, PDL=True)
+                          COLS=8 if rows <= 8 else 16, PDL=True, PREFETCH=blocks.num_stages > 1)
         aligned = (*ALIGNED, "product_ptr")
         signature = {name: kind for name, kind in SIGNATURE.items() if name != "stride_wn"}
         signature = dict(list(signature.items())[:7] + [("product_ptr", "*bf16")] + list(signature.items())[7:])

@@ -141,7 +141,11 @@ def _tiles(m: int):
         out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 1) for bn in (256, 512, 1024) for bk in (128, 256)
                 if bn * bk <= 512 * 256]
         # neither deeper programs at 16 rows (512-1,024 inputs: fewer K splits' atomic adds) nor capped registers
-        # (more programs a multiprocessor, a few bytes spilled) came out ahead on an H100 (stop 54): not swept
+        # (more programs a multiprocessor, a few bytes spilled) came out ahead on an H100 (stop 54): not swept.
+        # Two stages: each group's words loaded while the group before computes (ncu, stop 54: latency-bound,
+        # DRAM 44-64% busy); deeper programs take it through more groups
+        out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 2)
+                for bn, bk in ((512, 256), (256, 256), (256, 512), (128, 512), (128, 1024))]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:

@@ -32,11 +32,13 @@ def test_group_steps_divide_the_group():
 
 
 def test_a_tile_of_other_than_whole_warp_reps_is_declined():
-    """A program's outputs are whole reps of its 4 warps' 32 each (a 64-output tile would be no tensor at all), and
-    at least one K step deep."""
+    """A program's outputs are whole reps of its 4 warps' 32 each (a 64-output tile would be no tensor at all), at
+    least one K step deep, its words in one or two stages of registers."""
     assert wna16_mma.tile_fits(TILE) and wna16_mma.tile_fits(Blocks("gemv_mma", 16, 128, 32, -1, 4, 1))
+    assert wna16_mma.tile_fits(Blocks("gemv_mma", 16, 128, 1024, -1, 4, 2))
     assert not wna16_mma.tile_fits(Blocks("gemv_mma", 16, 64, 128, -1, 4, 1))
     assert not wna16_mma.tile_fits(Blocks("gemv_mma", 16, 256, 16, -1, 4, 1))
+    assert not wna16_mma.tile_fits(Blocks("gemv_mma", 16, 256, 256, -1, 4, 3))
 
 
 def test_it_declines_what_it_cannot_take():
@@ -65,7 +67,9 @@ def test_it_equals_dequantize_and_matmul(n, k, group, asym):
     packed, scale = packed.cuda(), scale.cuda()
     zero = zero.cuda() if zero is not None else None
     x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
-    for blocks in (TILE, Blocks("gemv_mma", 16, 128, 128, -1, 4, 1), Blocks("gemv_mma", 16, 512, 512, -1, 4, 1)):
+    # the last two tiles load each group's words while the group before computes (two stages)
+    for blocks in (TILE, Blocks("gemv_mma", 16, 128, 128, -1, 4, 1), Blocks("gemv_mma", 16, 512, 512, -1, 4, 1),
+                   Blocks("gemv_mma", 16, 128, 1024, -1, 4, 2), Blocks("gemv_mma", 16, 256, 256, -1, 4, 2)):
         for m in (1, 2, 5, 8, 9, 16):
             x = x_all[:m]
             assert wna16_mma.takes(x, packed, scale, zero, 4, group, k, blocks)

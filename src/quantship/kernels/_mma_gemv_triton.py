@@ -179,14 +179,10 @@ def _swiglu_span(x_ptr, product_ptr, k_begin, M, K, stride_xm, SPAN: tl.constexp
 
 
 @triton.jit
-def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride_wk, group_size, swiglu,
-           HAS_ZERO: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, STEPS: tl.constexpr,
-           FIRST: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr, COLS: tl.constexpr):
-    """The accumulators (units A and B of column block 1, then of block 2 where COLS is 16) plus STEPS K steps
-    from input k0 (one quantization group or part of one). The group's words load first; in the program's FIRST
-    group it then waits for the kernel before (PDL), x being its output, and where GATED makes the program's SPAN
-    inputs of SwiGLU's product (`swiglu`: x's pointer, the product's, k_begin, M, stride_xm), which x_rows point
-    into."""
+def _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k0, N, K, stride_wk, group_size, HAS_ZERO: tl.constexpr,
+                 EVEN_K: tl.constexpr, STEPS: tl.constexpr):
+    """A group's operands from memory (STEPS K steps from input k0): its words, 16 bytes a thread a step, and its
+    outputs' scales and negated offsets (136, + the zero point)."""
     w_rows = w_ptr + (k0 // 8) * stride_wk
     lanes = t * stride_wk + n
     rows_left = tl.cdiv(K, 8) - k0 // 8
@@ -208,6 +204,18 @@ def _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k0, N, K, stride
         neg = _threads(-(tl.load(z_ptr + group * N + n, mask=ok, other=0).to(tl.float32) + 136.0))
     else:
         neg = tl.full(scale.shape, -136.0, tl.float32)
+    return w0, w1, w2, w3, scale, neg
+
+
+@triton.jit
+def _group(accs, loads, x_rows, o, x_t, k0, K, swiglu, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+           STEPS: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr, COLS: tl.constexpr):
+    """The accumulators (units A and B of column block 1, then of block 2 where COLS is 16) plus STEPS K steps
+    from input k0 (one quantization group or part of one), whose operands `loads` (_group_loads) were issued
+    before. In the program's FIRST group it first waits for the kernel before (PDL), x being its output, and where
+    GATED makes the program's SPAN inputs of SwiGLU's product (`swiglu`: x's pointer, the product's, k_begin, M,
+    stride_xm), which x_rows point into."""
+    w0, w1, w2, w3, scale, neg = loads
     if FIRST:
         wait_for_inputs(PDL)
         if GATED:
@@ -280,13 +288,15 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
                           stride_wk, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                           REPS: tl.constexpr, GROUP_STEPS: tl.constexpr, STEPS: tl.constexpr, COLS: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """y[:M] = x[:M] W^T for M <= COLS (8 or 16) rows of bf16 x and int4 W (wna16's layout, words along N): a program takes
     32 * REPS outputs (a multiple of WARPS) and STEPS K steps of 32 inputs from program_id(1) * k_per_split,
     GROUP_STEPS to a quantization group (or 4, one scale for all of K). ATOMIC: the K split's sums are added into
     ws (float32), and with FINISH the program adding the tile's last split writes y; else stored in y. EVEN_K,
     EVEN_N: K and N whole tiles (no masks). GATED: x's rows are gate and up side by side, the input SwiGLU's
-    product, which each program writes for its inputs to product_ptr ([M, K], a scratch of the call's) first."""
+    product, which each program writes for its inputs to product_ptr ([M, K], a scratch of the call's) first.
+    PREFETCH: each group's words and scales are loaded before the group ahead of it computes (registers for two
+    groups' words), so a program keeps loads in flight through its products; else after them."""
     release_dependents(PDL)
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * k_per_split
@@ -312,10 +322,19 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     x_t = x_i % 4
     zeros = tl.zeros([REPS * 32 // THREADS, THREADS, 4], dtype=tl.float32)
     accs = (zeros, zeros, zeros, zeros) if COLS == 16 else (zeros, zeros)
+    loads = _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k_begin, N, K, stride_wk, group_size, HAS_ZERO, EVEN_K,
+                         GROUP_STEPS)  # before the wait for the kernel before (PDL): the weight is not its output
     for step in tl.static_range(0, STEPS, GROUP_STEPS):
-        accs = _group(accs, x_rows, w_ptr, s_ptr, z_ptr, n, ok, o, t, x_t, k_begin + 32 * step, N, K, stride_wk,
-                      group_size, (x_ptr, product_ptr, k_begin, M, stride_xm), HAS_ZERO, GATED, EVEN_K, GROUP_STEPS,
-                      step == 0, PDL, 32 * STEPS, COLS)
+        current = loads
+        if PREFETCH and step + GROUP_STEPS < STEPS:  # the next group's loads in flight while this one computes
+            loads = _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k_begin + 32 * (step + GROUP_STEPS), N, K,
+                                 stride_wk, group_size, HAS_ZERO, EVEN_K, GROUP_STEPS)
+        accs = _group(accs, current, x_rows, o, x_t, k_begin + 32 * step, K,
+                      (x_ptr, product_ptr, k_begin, M, stride_xm), GATED, EVEN_K, GROUP_STEPS, step == 0, PDL,
+                      32 * STEPS, COLS)
+        if not PREFETCH and step + GROUP_STEPS < STEPS:  # after this group's products, as before
+            loads = _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k_begin + 32 * (step + GROUP_STEPS), N, K,
+                                 stride_wk, group_size, HAS_ZERO, EVEN_K, GROUP_STEPS)
     for block in tl.static_range(COLS // 8):
         _add_rows(accs, block, y_ptr, ws_ptr, n, ok, t, M, N, ATOMIC)
     if ATOMIC and FINISH:

@@ -31,8 +31,9 @@ def fits(x2: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int, k: 
 
 
 def tile_fits(blocks: Blocks) -> bool:
-    """Whether the kernel can run in these tiles: outputs whole reps of its warps' 32 each, a K step deep at least."""
-    return blocks.block_n % (32 * WARPS) == 0 and blocks.block_k >= STEP
+    """Whether the kernel can run in these tiles: outputs whole reps of its warps' 32 each, a K step deep at least,
+    its words in 1 or 2 stages of registers (num_stages 2: a group's loads issued while the one before computes)."""
+    return blocks.block_n % (32 * WARPS) == 0 and blocks.block_k >= STEP and blocks.num_stages in (1, 2)
 
 
 def group_steps(group_size: int, k: int) -> int:
@@ -69,7 +70,8 @@ def matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
         x2, packed, scale, zero if zero is not None else scale, y, sums, counters, product, m, n, k, x2.stride(0),
         packed.stride(0), group_size, per_split, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=sums is not y,
         GATED=gated, EVEN_K=k % per_split == 0, EVEN_N=n % blocks.block_n == 0, REPS=blocks.block_n // 32,
-        GROUP_STEPS=per_group, STEPS=steps, COLS=8 if m <= 8 else 16, num_warps=WARPS, **dependent_launch(x2),
+        GROUP_STEPS=per_group, STEPS=steps, COLS=8 if m <= 8 else 16, PREFETCH=blocks.num_stages > 1,
+        num_warps=WARPS, **dependent_launch(x2),
         **({"maxnreg": blocks.max_registers} if blocks.max_registers else {}))
     return y.to(x2.dtype)
 
