@@ -474,6 +474,8 @@ def _short(b) -> str:
     rows = "" if b.kind.startswith("gemv") else f"{b.block_m} rows x "
     order = ", row blocks first" if b.rows_first and not b.stream else ""  # a stream run walks them first anyway
     cap = f", at most {b.max_registers} registers" if b.max_registers else ""
+    if b.kind == "gemv_mma" and b.num_stages > 1:  # the others' stages are Triton's pipelining, not named here
+        cap += ", each group's words loaded while the group before computes"
     if b.stream:  # the K split is only its fallback
         split = f"stream-K, {b.stream} program{'s' * (b.stream > 1)} a multiprocessor"
     return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}{order}{cap}"
