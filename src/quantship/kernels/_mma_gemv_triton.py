@@ -295,8 +295,8 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     ws (float32), and with FINISH the program adding the tile's last split writes y; else stored in y. EVEN_K,
     EVEN_N: K and N whole tiles (no masks). GATED: x's rows are gate and up side by side, the input SwiGLU's
     product, which each program writes for its inputs to product_ptr ([M, K], a scratch of the call's) first.
-    PREFETCH: each group's words and scales are loaded before the group ahead of it computes (registers for two
-    groups' words), so a program keeps loads in flight through its products; else after them."""
+    PREFETCH: each group's words and scales are loaded while the group before it computes (registers for two
+    groups' words), so a program keeps loads in flight through its products; else after that group's products."""
     release_dependents(PDL)
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * k_per_split
