@@ -146,6 +146,8 @@ def _tiles(m: int):
         # DRAM 44-64% busy); deeper programs take it through more groups
         out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 2)
                 for bn, bk in ((512, 256), (256, 256), (256, 512), (128, 512), (128, 1024))]
+        if m > 1:  # at 16 rows 256x256 in two stages takes 178 registers, 168 with no spill: 3 programs, not 2
+            out.append(Blocks("gemv_mma", 16, 256, 256, -1, 4, 2, max_registers=168))
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
