@@ -35,8 +35,8 @@ GROUP = 128
 MULTIPROCESSORS, ISSUE_PER_CYCLE, CLOCK_HZ = 132, 4, 1.98e9  # H100 SXM and H200: 4 schedulers, boost clock
 # A GPU sweep's file for each GPU whose one-row tile it timed (the layer's four calls summed): the H200's from stop 44,
 # the last sweep one had (the GEMV's code has changed little since: its per-layer time in the engine's stop-49 profile
-# was 45 µs), the H100's from stop 52.
-MEASURED = {"NVIDIA H100 80GB HBM3": "kernel_wna16_narrow_h100.json", "NVIDIA H200": "kernel_wna16_h200_sweep.json"}
+# was 45 µs), the H100's from stop 54 (its tile gemv_mma since; its bf16x2 GEMV's, stop 52: kernel_wna16_narrow_h100).
+MEASURED = {"NVIDIA H100 80GB HBM3": "kernel_wna16_mma_h100_m1.json", "NVIDIA H200": "kernel_wna16_h200_sweep.json"}
 MMA_MEASURED = "kernel_wna16_mma_h100.json"  # gemv_mma's sweep of both its row ranges in the same tiles (stop 53, H100)
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
              "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
@@ -162,7 +162,8 @@ def run(args) -> None:
 
 def render(paths: list[str]) -> None:
     text = ["## The one-row GEMV's instructions per packed word", "",
-            "`benchmarks/kernel_instructions.py` (CPU, no GPU): the bf16x2 GEMV (in each table's one-row tiles) and "
+            "`benchmarks/kernel_instructions.py` (CPU, no GPU): each table's one-row tiles (the bf16x2 GEMV, or "
+            "`gemv_mma` where it is a GPU's own) and "
             "the GEMV on tensor cores (`gemv_mma`, for 1-8 rows and for 9-16) compiled for sm_90 as launched for a "
             "6.7B layer's four calls, the SASS a program runs once (outside loops, the finishing branch "
             "included) over the packed words (8 int4 values) each thread multiplies. The issue floor is the "
