@@ -1020,6 +1020,12 @@ def ablation_rows(entries: list[dict]) -> list[list]:
     return out
 
 
+def agreement_figures(a: dict) -> str:
+    """A greedy_agreement result's figures, as the engine section words them."""
+    return (f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.2%}, identical prefixes "
+            f"{a['identical_prefix_tokens']} tokens")
+
+
 def render() -> None:
     parts = ["## Serving engine: throughput and cache size", "",
              "Output tokens per second for N requests arriving together (equal prompt lengths, EOS ignored), "
@@ -1073,13 +1079,9 @@ def render() -> None:
         parts += [f"Greedy agreement on a trained model ({a['model']}, bf16, {a['device']}; "
                   "`engine_throughput.py agreement`): W4A16 through the kernels against the same weights through "
                   f"dequantize + F.linear, {a['prompts']} prompts from its held-out text x {a['steps']} steps: "
-                  f"teacher-forced top-1 agreement {a['teacher_forced_top1_agreement']:.2%}, identical prefixes "
-                  f"{a['identical_prefix_tokens']} tokens"
-                  + (f" (QUANTSHIP_PDL={a['pdl']})" if "pdl" in a else "")
-                  + (f"; run one at a time (decode steps of one row): teacher-forced top-1 agreement "
-                     f"{a['one_at_a_time']['teacher_forced_top1_agreement']:.2%}, identical prefixes "
-                     f"{a['one_at_a_time']['identical_prefix_tokens']} tokens" if "one_at_a_time" in a else "")
-                  + ". "
+                  + agreement_figures(a) + (f" (QUANTSHIP_PDL={a['pdl']})" if "pdl" in a else "")
+                  + (f"; run one at a time (decode steps of one row): {agreement_figures(a['one_at_a_time'])}"
+                     if "one_at_a_time" in a else "") + ". "
                   + (f"Reference: {a['reference']}." if "reference" in a else EARLIER_REFERENCE), ""]
     parts += ["KV cache per token (all layers, bf16): MLA keeps the latent c_kv plus the shared rope key instead of "
               "per-head keys and values.", "", kv_table()]

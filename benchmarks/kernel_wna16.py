@@ -906,11 +906,9 @@ def device_tiles(r: dict) -> dict:
         if timed not in times:  # a class the sweep did not time (or not the table's tiles): left as it was
             continue
         theirs = min((b for b in times if b.kind in _device_kinds(shared, limit)), key=times.get)
-        if theirs == shared:
-            own.pop(key, None)
-        elif times[theirs] < (1 - DEVICE_MIN_GAIN) * times[timed]:
+        if theirs != shared and times[theirs] < (1 - DEVICE_MIN_GAIN) * times[timed]:
             own[key] = class_pdl(theirs, limit, BLOCKS_BY_M)
-        elif timed == shared:
+        elif shared in (theirs, timed):  # the table's own tiles fastest, or the device's not timed: none of its own
             own.pop(key, None)
         first = ranking[limit][0][0]
         if first.kind not in _device_kinds(shared, limit) and shared.kind != "gemv":  # the float32 GEMV: the fallback

@@ -463,6 +463,16 @@ def takes_gated(rows: int, x: torch.Tensor, bits: int) -> bool:
 _PAIRS_CHECKED: dict[tuple, bool] = {}
 
 
+def checked_once(cache: dict, key, check) -> bool:
+    """check() (a kernel against its reference) once per key, remembered in cache: never during CUDA-graph capture,
+    where it could not run (False until an eager call has checked it, so the caller's other path takes the call)."""
+    if key not in cache:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        cache[key] = check()
+    return cache[key]
+
+
 def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
     """Whether swap_bf16x2 may make its values with the bf16x2 PTX for bf16 x: the PTX takes a register's two
     values as one word's pair, which holds only where Triton runs it on the operand registers of Hopper's
@@ -474,12 +484,7 @@ def pairs_in_registers(x: torch.Tensor, blocks: Blocks, block_k: int) -> bool:
             and capability_major(x) == 9):
         return False
     checked = replace(blocks, block_k=block_k, split_k=1)  # the tile as launched: every field that shapes it
-    key = (x.device, checked)
-    if key not in _PAIRS_CHECKED:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _PAIRS_CHECKED[key] = _pairs_agree(x.device, checked)
-    return _PAIRS_CHECKED[key]
+    return checked_once(_PAIRS_CHECKED, (x.device, checked), lambda: _pairs_agree(x.device, checked))
 
 
 def _pairs_agree(device: torch.device, blocks: Blocks) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from quantship.kernels import capability_major, dependent_launch
 from quantship.kernels.elementwise import reference_silu_mul
-from quantship.kernels.wna16 import Blocks, reference_matmul, split_outputs
+from quantship.kernels.wna16 import Blocks, checked_once, reference_matmul, split_outputs
 
 ROWS = 16  # x's rows as the products' columns: one block of 8 up to 8 rows, two up to 16
 WARPS = 4  # a program's warps (the kernel's WARPS; here so that checking a tile imports no Triton)
@@ -100,9 +100,8 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     key = (x2.device, blocks, gated, zero is not None, m <= 8, k % per_split == 0, n % blocks.block_n == 0,
            specialization(x2, packed, scale, *(() if zero is None else (zero,)), m, n, k, x2.stride(0),
                           packed.stride(0), group_size, per_split))
-    if key not in _CHECKED:
-        if torch.cuda.is_current_stream_capturing():
-            return False
+
+    def agrees() -> bool:
         x_in = reference_silu_mul(x2[:, :k], x2[:, k:]) if gated else x2  # bf16 ops, rounded as the kernel's
         # the first outputs' reference only: dequantizing the whole weight in float32 would take 4 bytes a weight
         # (360 MB for a 6.7B layer's gate and up) at engine start, next to a KV cache sized to the memory left
@@ -111,5 +110,6 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
                                bits, k, group_size)
         out = matmul(x2, packed, scale, zero, k, group_size, blocks, gated)[:, :cols].float()
         error = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        _CHECKED[key] = error < 1e-2  # a lane holding other values than its PTX assumes is off by order 1
-    return _CHECKED[key]
+        return error < 1e-2  # a lane holding other values than its PTX assumes is off by order 1
+
+    return checked_once(_CHECKED, key, agrees)
