@@ -85,7 +85,8 @@ def compile_call(blocks, gated: bool, rows: int = 1) -> list[str]:
         fn = mma.wna16_mma_gemv_kernel
         constexprs = dict(HAS_ZERO=False, ATOMIC=True, FINISH=blocks.finish, GATED=gated, EVEN_K=True, EVEN_N=True,
                           REPS=blocks.block_n // 32, GROUP_STEPS=GROUP // 32, STEPS=blocks.block_k // 32,
-                          COLS=8 if rows <= 8 else 16, PDL=True, PREFETCH=blocks.num_stages > 1)
+                          COLS=8 if rows <= 8 else 16, PDL=True, PREFETCH=blocks.num_stages > 1,
+                          SCALED=blocks.scaled_values)
         aligned = (*ALIGNED, "product_ptr")
         signature = {name: kind for name, kind in SIGNATURE.items() if name != "stride_wn"}
         signature = dict(list(signature.items())[:7] + [("product_ptr", "*bf16")] + list(signature.items())[7:])

@@ -148,6 +148,10 @@ def _tiles(m: int):
                 for bn, bk in ((512, 256), (256, 256), (256, 512), (128, 512), (128, 1024))]
         if m > 1:  # at 16 rows 256x256 in two stages takes 178 registers, 168 with no spill: 3 programs, not 2
             out.append(Blocks("gemv_mma", 16, 256, 256, -1, 4, 2, max_registers=168))
+            # values scaled before their products: no group sums or sums of x (two stages of 256x256: 168
+            # registers uncapped), two more instructions per value pair
+            out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, stages, scaled_values=True)
+                    for bn, bk, stages in ((256, 256, 1), (256, 256, 2), (256, 512, 2), (128, 512, 2))]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
@@ -478,6 +482,8 @@ def _short(b) -> str:
     cap = f", at most {b.max_registers} registers" if b.max_registers else ""
     if b.kind == "gemv_mma" and b.num_stages > 1:  # the others' stages are Triton's pipelining, not named here
         cap += ", each group's words loaded while the group before computes"
+    if b.scaled_values:
+        cap += ", values scaled before their products"
     if b.stream:  # the K split is only its fallback
         split = f"stream-K, {b.stream} program{'s' * (b.stream > 1)} a multiprocessor"
     return f"{b.kind} {rows}{b.block_n} outputs x {b.block_k} inputs, {split}{order}{cap}"

@@ -80,7 +80,8 @@ for bits in (4, 8):
             for gated in (False, True):
                 ttgir = compile(mma_gemv.wna16_mma_gemv_kernel, mma,
                                 dict(HAS_ZERO=zero, ATOMIC=True, FINISH=not zero, GATED=gated, EVEN_K=not gated, EVEN_N=gated,
-                                     REPS=16, GROUP_STEPS=4, STEPS=8, COLS=16 if gated else 8, PREFETCH=gated),
+                                     REPS=16, GROUP_STEPS=4, STEPS=8, COLS=16 if gated else 8, PREFETCH=gated,
+                                     SCALED=zero),  # values scaled before their products: with zero points
                                 before_wait="ld.global",
                                 attrs=("x_ptr", "w_ptr", "s_ptr", "y_ptr", "ws_ptr", "counter_ptr", "product_ptr",
                                        "N", "K", "stride_xm", "stride_wk", "k_per_split")).asm["ttgir"]

@@ -2,6 +2,8 @@
 PTX cannot run under the interpreter; tests/test_kernels_compile.py compiles it for sm_90 on the CPU and checks the
 layout its PTX relies on), and where it declines a call, the table's other kernels take it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,9 +69,12 @@ def test_it_equals_dequantize_and_matmul(n, k, group, asym):
     packed, scale = packed.cuda(), scale.cuda()
     zero = zero.cuda() if zero is not None else None
     x_all = torch.randn(16, k, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
-    # the last two tiles load each group's words while the group before computes (two stages)
+    # two stages: each group's words loaded while the group before computes; scaled: values scaled before their
+    # products, in bf16
     for blocks in (TILE, Blocks("gemv_mma", 16, 128, 128, -1, 4, 1), Blocks("gemv_mma", 16, 512, 512, -1, 4, 1),
-                   Blocks("gemv_mma", 16, 128, 1024, -1, 4, 2), Blocks("gemv_mma", 16, 256, 256, -1, 4, 2)):
+                   Blocks("gemv_mma", 16, 128, 1024, -1, 4, 2), Blocks("gemv_mma", 16, 256, 256, -1, 4, 2),
+                   Blocks("gemv_mma", 16, 256, 256, -1, 4, 1, scaled_values=True),
+                   Blocks("gemv_mma", 16, 128, 1024, -1, 4, 2, scaled_values=True)):
         for m in (1, 2, 5, 8, 9, 16):
             x = x_all[:m]
             assert wna16_mma.takes(x, packed, scale, zero, 4, group, k, blocks)
@@ -82,6 +87,24 @@ def test_it_equals_dequantize_and_matmul(n, k, group, asym):
             # may differ: within rounding)
             again = wna16_mma.matmul(x, packed, scale, zero, k, group, blocks).float()
             assert ((again - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not GPU, reason="inline PTX for mma.sync: a GPU of compute capability 8.0 or later")
+def test_values_scaled_before_their_products_round_as_dequantize_does():
+    """Scaled in bf16 before the products ((q - z) * s, one rounding), the values are dequantize's own: the result
+    is the bf16 reference's but for the order of float32 additions. Scales other than bf16 are declined."""
+    packed, scale, zero = _weight(4096, 4096, 128, True, 5)
+    packed, scale, zero = packed.cuda(), scale.cuda(), zero.cuda()
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(3)).cuda().bfloat16()
+    blocks = Blocks("gemv_mma", 16, 256, 256, -1, 4, 2, scaled_values=True)
+    w = wna16.dequantize(packed, scale, zero, 4, 4096, 128, torch.bfloat16)  # [N, K], rounded to bf16
+    ref = (x.double() @ w.double().T).bfloat16()
+    out = wna16_mma.matmul(x, packed, scale, zero, 4096, 128, blocks)
+    # the same bf16 output but where float32 sums in another order round the other way: values the float32 sums
+    # of unrounded values (the kernel's other form) would change in a good part of the outputs
+    assert (out == ref).float().mean().item() > 0.97
+    assert not wna16_mma.takes(x, packed, scale.float(), zero, 4, 128, 4096, blocks)
+    assert wna16_mma.takes(x, packed, scale.float(), zero, 4, 128, 4096, replace(blocks, scaled_values=False))
 
 
 @pytest.mark.skipif(not GPU, reason="inline PTX for mma.sync: a GPU of compute capability 8.0 or later")

@@ -72,10 +72,47 @@ def _k_step(blocks: int, first: bool) -> str:
     return "\n".join(text + ["}"])
 
 
+def _k_step_scaled(blocks: int, zero: bool) -> str:
+    """One K step as _k_step's, its values scaled first (Blocks.scaled_values): each bf16x2 register of the A
+    operand becomes (value - offset) * scale in bf16, one rounding as dequantize's, so the products add straight
+    into the program's accumulators across groups (no group sums, no x sums, no epilogue). Operands: the
+    accumulators as output, the words, the scale pairs (s, s) of outputs 4g .. 4g + 3, where `zero` the negated
+    offset pairs (-(136 + z)) too (else -136 for every output), x's pairs of each block, the accumulators as input.
+    fma with 1 and with -0.0 (exact, and one rounding) where sub and mul.bf16x2 would need sm_90."""
+    outputs = 8 * blocks
+    words = outputs
+    scales = words + 4
+    offsets = scales + 4
+    pairs = offsets + 4 if zero else scales + 4
+    accumulators = pairs + 4 * blocks
+    text = ["{", ".reg .b32 m, c, s, one, nz, off, p0, p1, p2, p3, q0, q1, q2, q3;", "mov.b32 m, 0x000F000F;",
+            "mov.b32 c, 0x43004300;", "mov.b32 one, 0x3F803F80;", "mov.b32 nz, 0x80008000;",
+            "mov.b32 off, 0xC308C308;"]  # bf16 -136.0, twice: 128 + 8, the symmetric values' offset
+    for unit in range(2):
+        text.append(_values(words + 2 * unit, words + 2 * unit + 1))
+        for reg, o in (("p", 2 * unit), ("q", 2 * unit + 1)):  # p: output 4g + 2 unit, q: the next
+            offset = f"${offsets + o}" if zero else "off"
+            for i in range(4):
+                text.append(f"fma.rn.bf16x2 {reg}{i}, {reg}{i}, one, {offset};")
+                text.append(f"fma.rn.bf16x2 {reg}{i}, {reg}{i}, ${scales + o}, nz;")
+        for block in range(blocks):
+            d = 8 * block + 4 * unit
+            dest = "{" + ",".join(f"${d + i}" for i in range(4)) + "}"
+            acc = "{" + ",".join(f"${accumulators + d + i}" for i in range(4)) + "}"
+            b = pairs + 4 * block
+            text.append(f"{_MMA} {dest}, {{p0,q0,p1,q1}}, {{${b},${b + 1}}}, {acc};")
+            text.append(f"{_MMA} {dest}, {{p2,q2,p3,q3}}, {{${b + 2},${b + 3}}}, {dest};")
+    return "\n".join(text + ["}"])
+
+
 _K_STEP = tl.constexpr(_k_step(1, False))
 _K_STEP_FIRST = tl.constexpr(_k_step(1, True))
 _K_STEP_16 = tl.constexpr(_k_step(2, False))
 _K_STEP_16_FIRST = tl.constexpr(_k_step(2, True))
+_K_STEP_SCALED = tl.constexpr(_k_step_scaled(1, False))
+_K_STEP_SCALED_ZERO = tl.constexpr(_k_step_scaled(1, True))
+_K_STEP_16_SCALED = tl.constexpr(_k_step_scaled(2, False))
+_K_STEP_16_SCALED_ZERO = tl.constexpr(_k_step_scaled(2, True))
 
 # x's 8 inputs of a word row as 4 int32 (bf16 pairs (x0, x1) .. (x6, x7)) $4-$7 → (x_i, x_{i+4}), i = 0..3
 _X_PAIRS = tl.constexpr("""prmt.b32 $0, $4, $6, 0x5410;
@@ -180,9 +217,9 @@ def _swiglu_span(x_ptr, product_ptr, k_begin, M, K, stride_xm, SPAN: tl.constexp
 
 @triton.jit
 def _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k0, N, K, stride_wk, group_size, HAS_ZERO: tl.constexpr,
-                 EVEN_K: tl.constexpr, STEPS: tl.constexpr):
+                 EVEN_K: tl.constexpr, STEPS: tl.constexpr, SCALED: tl.constexpr):
     """A group's operands from memory (STEPS K steps from input k0): its words, 16 bytes a thread a step, and its
-    outputs' scales and negated offsets (136, + the zero point)."""
+    outputs' scales and negated offsets (136, + the zero point): float32, or SCALED as bf16 pairs."""
     w_rows = w_ptr + (k0 // 8) * stride_wk
     lanes = t * stride_wk + n
     rows_left = tl.cdiv(K, 8) - k0 // 8
@@ -204,12 +241,48 @@ def _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k0, N, K, stride_wk, group_size,
         neg = _threads(-(tl.load(z_ptr + group * N + n, mask=ok, other=0).to(tl.float32) + 136.0))
     else:
         neg = tl.full(scale.shape, -136.0, tl.float32)
+    if SCALED:  # as bf16 pairs (v, v), the operands of the values' fma (the offset's only where it varies)
+        scale = _bf16_pairs(scale)
+        if HAS_ZERO:
+            neg = _bf16_pairs(neg)
     return w0, w1, w2, w3, scale, neg
 
 
 @triton.jit
+def _bf16_pairs(v):
+    """float32 values as int32 words holding the value rounded to bf16 twice (both halves of a bf16x2 register)."""
+    bits = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _group_scaled(accs, w0, w1, w2, w3, scale, neg, x_rows, o, x_t, k0, K, HAS_ZERO: tl.constexpr,
+                  EVEN_K: tl.constexpr, STEPS: tl.constexpr, COLS: tl.constexpr):
+    """The accumulators plus STEPS K steps of values scaled before their products (_k_step_scaled): the scale and
+    offset pairs `scale`, `neg` (_bf16_pairs; `neg` unused without a zero point)."""
+    for s in tl.static_range(STEPS):
+        words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
+        row = k0 // 8 + x_t + 4 * s
+        pairs = _x_pairs(x_rows[0], row, o, K, EVEN_K)
+        if COLS == 16:
+            pairs_2 = _x_pairs(x_rows[1], row, o, K, EVEN_K)
+            if HAS_ZERO:
+                accs = _asm(_K_STEP_16_SCALED_ZERO, [words, scale, neg, pairs, pairs_2, accs[0], accs[1], accs[2], accs[3]],
+                            4)
+            else:
+                accs = _asm(_K_STEP_16_SCALED, [words, scale, pairs, pairs_2, accs[0], accs[1], accs[2], accs[3]], 4)
+        else:
+            if HAS_ZERO:
+                accs = _asm(_K_STEP_SCALED_ZERO, [words, scale, neg, pairs, accs[0], accs[1]], 2)
+            else:
+                accs = _asm(_K_STEP_SCALED, [words, scale, pairs, accs[0], accs[1]], 2)
+    return accs
+
+
+@triton.jit
 def _group(accs, loads, x_rows, o, x_t, k0, K, swiglu, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-           STEPS: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr, COLS: tl.constexpr):
+           STEPS: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr, SPAN: tl.constexpr, COLS: tl.constexpr,
+           SCALED: tl.constexpr, HAS_ZERO: tl.constexpr):
     """The accumulators (units A and B of column block 1, then of block 2 where COLS is 16) plus STEPS K steps
     from input k0 (one quantization group or part of one), whose operands `loads` (_group_loads) were issued
     before. In the program's FIRST group it first waits for the kernel before (PDL), x being its output, and where
@@ -220,6 +293,18 @@ def _group(accs, loads, x_rows, o, x_t, k0, K, swiglu, GATED: tl.constexpr, EVEN
         wait_for_inputs(PDL)
         if GATED:
             _swiglu_span(swiglu[0], swiglu[1], swiglu[2], swiglu[3], K, swiglu[4], SPAN, COLS)
+    if SCALED:
+        out = _group_scaled(accs, w0, w1, w2, w3, scale, neg, x_rows, o, x_t, k0, K, HAS_ZERO, EVEN_K, STEPS, COLS)
+    else:
+        out = _group_summed(accs, w0, w1, w2, w3, scale, neg, x_rows, o, x_t, k0, K, EVEN_K, STEPS, COLS)
+    return out
+
+
+@triton.jit
+def _group_summed(accs, w0, w1, w2, w3, scale, neg, x_rows, o, x_t, k0, K, EVEN_K: tl.constexpr,
+                  STEPS: tl.constexpr, COLS: tl.constexpr):
+    """The accumulators plus STEPS K steps summed in float32 from the values as they are (128 + value), then
+    scaled once: acc + scale * (C - offset * sums of x), the scales and negated offsets float32."""
     for s in tl.static_range(STEPS):
         words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
         row = k0 // 8 + x_t + 4 * s
@@ -288,7 +373,7 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
                           stride_wk, group_size, k_per_split, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
                           FINISH: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                           REPS: tl.constexpr, GROUP_STEPS: tl.constexpr, STEPS: tl.constexpr, COLS: tl.constexpr,
-                          PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+                          PDL: tl.constexpr, PREFETCH: tl.constexpr = False, SCALED: tl.constexpr = False):
     """y[:M] = x[:M] W^T for M <= COLS (8 or 16) rows of bf16 x and int4 W (wna16's layout, words along N): a program takes
     32 * REPS outputs (a multiple of WARPS) and STEPS K steps of 32 inputs from program_id(1) * k_per_split,
     GROUP_STEPS to a quantization group (or 4, one scale for all of K). ATOMIC: the K split's sums are added into
@@ -296,7 +381,9 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     EVEN_N: K and N whole tiles (no masks). GATED: x's rows are gate and up side by side, the input SwiGLU's
     product, which each program writes for its inputs to product_ptr ([M, K], a scratch of the call's) first.
     PREFETCH: each group's words and scales are loaded while the group before it computes (registers for two
-    groups' words), so a program keeps loads in flight through its products; else after that group's products."""
+    groups' words), so a program keeps loads in flight through its products; else after that group's products.
+    SCALED: the values are scaled in bf16 before their products (Blocks.scaled_values), else each group is summed
+    in float32 and scaled after."""
     release_dependents(PDL)
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * k_per_split
@@ -323,18 +410,18 @@ def wna16_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, counter_ptr
     zeros = tl.zeros([REPS * 32 // THREADS, THREADS, 4], dtype=tl.float32)
     accs = (zeros, zeros, zeros, zeros) if COLS == 16 else (zeros, zeros)
     loads = _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k_begin, N, K, stride_wk, group_size, HAS_ZERO, EVEN_K,
-                         GROUP_STEPS)  # before the wait for the kernel before (PDL): the weight is not its output
+                         GROUP_STEPS, SCALED)  # before the wait for the kernel before (PDL): x is its output, not W
     for step in tl.static_range(0, STEPS, GROUP_STEPS):
         current = loads
         if PREFETCH and step + GROUP_STEPS < STEPS:  # the next group's loads in flight while this one computes
             loads = _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k_begin + 32 * (step + GROUP_STEPS), N, K,
-                                 stride_wk, group_size, HAS_ZERO, EVEN_K, GROUP_STEPS)
+                                 stride_wk, group_size, HAS_ZERO, EVEN_K, GROUP_STEPS, SCALED)
         accs = _group(accs, current, x_rows, o, x_t, k_begin + 32 * step, K,
                       (x_ptr, product_ptr, k_begin, M, stride_xm), GATED, EVEN_K, GROUP_STEPS, step == 0, PDL,
-                      32 * STEPS, COLS)
+                      32 * STEPS, COLS, SCALED, HAS_ZERO)
         if not PREFETCH and step + GROUP_STEPS < STEPS:  # after this group's products, as before
             loads = _group_loads(w_ptr, s_ptr, z_ptr, n, ok, t, k_begin + 32 * (step + GROUP_STEPS), N, K,
-                                 stride_wk, group_size, HAS_ZERO, EVEN_K, GROUP_STEPS)
+                                 stride_wk, group_size, HAS_ZERO, EVEN_K, GROUP_STEPS, SCALED)
     for block in tl.static_range(COLS // 8):
         _add_rows(accs, block, y_ptr, ws_ptr, n, ok, t, M, N, ATOMIC)
     if ATOMIC and FINISH:

@@ -188,6 +188,10 @@ class Blocks:
     max_registers: int = 0  # a cap on registers per thread (ptxas' maxnreg; 0: the compiler's own count): as
     # compiled for sm_90 in stop 44 the 16-row swap_bf16x2 tile took 130, two more than lets four of its programs
     # share a multiprocessor (its TMA form takes 127)
+    scaled_values: bool = False  # gemv_mma: each value scaled in bf16 before its product ((q - z) * s rounded
+    # once, as dequantize rounds it) and the products added straight into the program's accumulators, where False
+    # sums a group's products in float32 and scales the sum: fewer registers (no group sums, no sums of x) for two
+    # more instructions per value pair
     pdl: bool = False  # the stream-K tile launched under programmatic dependent launch by default (the other swap
     # tiles only with QUANTSHIP_PDL=1): a setting of the M class, measured in the engine (engine_throughput.py quick
     # --pdl), not by a sweep's calls of one shape in a row, so a sweep times every stream candidate of a class with

@@ -71,6 +71,7 @@ def matmul(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
         packed.stride(0), group_size, per_split, HAS_ZERO=zero is not None, ATOMIC=splits > 1, FINISH=sums is not y,
         GATED=gated, EVEN_K=k % per_split == 0, EVEN_N=n % blocks.block_n == 0, REPS=blocks.block_n // 32,
         GROUP_STEPS=per_group, STEPS=steps, COLS=8 if m <= 8 else 16, PREFETCH=blocks.num_stages > 1,
+        SCALED=blocks.scaled_values,
         num_warps=WARPS, **dependent_launch(x2),
         **({"maxnreg": blocks.max_registers} if blocks.max_registers else {}))
     return y.to(x2.dtype)
@@ -94,6 +95,8 @@ def takes(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     matmul in float32: checked on the first call of each such kind per device (never during CUDA-graph capture:
     until an eager call has checked it, the shared table's kernel takes them)."""
     if not (tile_fits(blocks) and fits(x2, packed, bits, group_size, k)):
+        return False
+    if blocks.scaled_values and scale.dtype != torch.bfloat16:  # its products take the scales as bf16 operands
         return False
     m, n = x2.shape[0], packed.shape[1]
     per_split = STEP * _steps(blocks, group_size, k)
