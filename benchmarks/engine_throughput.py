@@ -820,7 +820,10 @@ def anatomy_note() -> list[str]:
 
 
 QUICK_RUNS = {  # the quick re-runs each shape's section shows, newest first: label → file suffix
-    "": {"H100, stop 54 (`quick --batches 1 16 --gemv-tile 512 256 4 --gemv-kind gemv_mma`, alternating): the H100's "
+    "": {"H100, stop 55 (`quick --batches 1 16 --shared-table`, alternating, after a gemv_mma sweep whose `adopt "
+         "--device` kept the H100's tiles): its table (gemv_mma 512x256 at one row) against the table every GPU "
+         "shares (the bf16x2 GEMV 256x128); both run the stream-K swap tile at 16 rows": "_s55_stages_h100",
+         "H100, stop 54 (`quick --batches 1 16 --gemv-tile 512 256 4 --gemv-kind gemv_mma`, alternating): the H100's "
          "table then (its own one-row GEMV, bf16x2 512x128), and with the GEMV on tensor cores (kernels.wna16_mma) "
          "in 512x256 tiles at 1 and at 16 rows (adopted after this run for one row only)": "_s54_mma_h100",
          "H100, stop 52 (`quick --batches 1 --quads --no-norm-fold --gemv-tile 64 256 2`, alternating): W4A16 with "

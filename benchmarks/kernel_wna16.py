@@ -142,16 +142,13 @@ def _tiles(m: int):
                 if bn * bk <= 512 * 256]
         # neither deeper programs at 16 rows (512-1,024 inputs: fewer K splits' atomic adds) nor capped registers
         # (more programs a multiprocessor, a few bytes spilled) came out ahead on an H100 (stop 54): not swept.
-        # Two stages: each group's words loaded while the group before computes (ncu, stop 54: latency-bound,
-        # DRAM 44-64% busy); deeper programs take it through more groups
-        out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, 2)
-                for bn, bk in ((512, 256), (256, 256), (256, 512), (128, 512), (128, 1024))]
+        # Two stages (each group's words loaded while the group before computes) and values scaled before their
+        # products: the nearest of each on an H100 (stop 55: kernel_wna16_mma_stages_h100, none ahead; the
+        # deeper two-stage tiles and 512x256 in two stages trailed further and are not swept)
+        out.append(Blocks("gemv_mma", 16, 256, 256, -1, 4, 2))
         if m > 1:  # at 16 rows 256x256 in two stages takes 178 registers, 168 with no spill: 3 programs, not 2
-            out.append(Blocks("gemv_mma", 16, 256, 256, -1, 4, 2, max_registers=168))
-            # values scaled before their products: no group sums or sums of x (two stages of 256x256: 168
-            # registers uncapped), two more instructions per value pair
-            out += [Blocks("gemv_mma", 16, bn, bk, -1, 4, stages, scaled_values=True)
-                    for bn, bk, stages in ((256, 256, 1), (256, 256, 2), (256, 512, 2), (128, 512, 2))]
+            out += [Blocks("gemv_mma", 16, 256, 256, -1, 4, 2, max_registers=168),
+                    Blocks("gemv_mma", 16, 256, 256, -1, 4, 1, scaled_values=True)]
     if m <= 4:
         out += [Blocks("gemv", 1, bn, bk, -1, warps, 1) for bn in (128, 256) for bk in (64, 128) for warps in (1, 2)]
     if m == 1:
@@ -687,6 +684,13 @@ PARTIAL_SWEEPS = {
                                   "64%). Capped at 128 or 168 (3-4 programs, 8-512 bytes spilled a thread) it was "
                                   "slower at both one and 16 rows: 16 rows 78.1 µs a layer at best against 77.7 "
                                   "uncapped and 60.4 for the stream-K swap tile",
+    "kernel_wna16_mma_stages_h100": "gemv_mma with each group's words loaded while the group before computes (two "
+                                    "stages) and with its values scaled in bf16 before their products (no group "
+                                    "sums or sums of x: fewer registers, two more instructions a value pair); stop "
+                                    "55, H100. One row: 512x256 in one stage still led (45.7 µs a layer); two "
+                                    "stages took 256x256 from 54.2 to 46.0 but 512x256 from 45.7 to 52.4. 16 rows: "
+                                    "the stream-K swap tile 60.0; gemv_mma at best 70.3 (256x256, values scaled; "
+                                    "77.4 unscaled), 72.1 in two stages capped at 168 registers. Nothing adopted",
 }
 
 
