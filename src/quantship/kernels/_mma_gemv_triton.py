@@ -256,21 +256,32 @@ def _bf16_pairs(v):
 
 
 @triton.jit
+def _step_operands(w0, w1, w2, w3, s: tl.constexpr, x_rows, o, x_t, k0, K, EVEN_K: tl.constexpr,
+                   COLS: tl.constexpr):
+    """K step s of a group: its words (of the group's loads) and x's pairs for column block 1 and, where COLS is
+    16, block 2 (else block 1's again, unused)."""
+    words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
+    row = k0 // 8 + x_t + 4 * s
+    pairs = _x_pairs(x_rows[0], row, o, K, EVEN_K)
+    pairs_2 = pairs
+    if COLS == 16:
+        pairs_2 = _x_pairs(x_rows[1], row, o, K, EVEN_K)
+    return words, pairs, pairs_2
+
+
+@triton.jit
 def _group_scaled(accs, w0, w1, w2, w3, scale, neg, x_rows, o, x_t, k0, K, HAS_ZERO: tl.constexpr,
                   EVEN_K: tl.constexpr, STEPS: tl.constexpr, COLS: tl.constexpr):
     """The accumulators plus STEPS K steps of values scaled before their products (_k_step_scaled): the scale and
     offset pairs `scale`, `neg` (_bf16_pairs; `neg` unused without a zero point)."""
     for s in tl.static_range(STEPS):
-        words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
-        row = k0 // 8 + x_t + 4 * s
-        pairs = _x_pairs(x_rows[0], row, o, K, EVEN_K)
+        words, pairs, pairs_2 = _step_operands(w0, w1, w2, w3, s, x_rows, o, x_t, k0, K, EVEN_K, COLS)
         if COLS == 16:
-            pairs_2 = _x_pairs(x_rows[1], row, o, K, EVEN_K)
+            a0, a1, a2, a3 = accs
             if HAS_ZERO:
-                accs = _asm(_K_STEP_16_SCALED_ZERO, [words, scale, neg, pairs, pairs_2, accs[0], accs[1], accs[2], accs[3]],
-                            4)
+                accs = _asm(_K_STEP_16_SCALED_ZERO, [words, scale, neg, pairs, pairs_2, a0, a1, a2, a3], 4)
             else:
-                accs = _asm(_K_STEP_16_SCALED, [words, scale, pairs, pairs_2, accs[0], accs[1], accs[2], accs[3]], 4)
+                accs = _asm(_K_STEP_16_SCALED, [words, scale, pairs, pairs_2, a0, a1, a2, a3], 4)
         else:
             if HAS_ZERO:
                 accs = _asm(_K_STEP_SCALED_ZERO, [words, scale, neg, pairs, accs[0], accs[1]], 2)
@@ -306,11 +317,8 @@ def _group_summed(accs, w0, w1, w2, w3, scale, neg, x_rows, o, x_t, k0, K, EVEN_
     """The accumulators plus STEPS K steps summed in float32 from the values as they are (128 + value), then
     scaled once: acc + scale * (C - offset * sums of x), the scales and negated offsets float32."""
     for s in tl.static_range(STEPS):
-        words = w0 if s == 0 else w1 if s == 1 else w2 if s == 2 else w3
-        row = k0 // 8 + x_t + 4 * s
-        pairs = _x_pairs(x_rows[0], row, o, K, EVEN_K)
+        words, pairs, pairs_2 = _step_operands(w0, w1, w2, w3, s, x_rows, o, x_t, k0, K, EVEN_K, COLS)
         if COLS == 16:
-            pairs_2 = _x_pairs(x_rows[1], row, o, K, EVEN_K)
             if s == 0:  # a group's first products start from zero (no accumulator operands)
                 sums = _asm(_X_SUMS_FIRST, [pairs])  # x's, shared by every rep of the thread
                 sums_2 = _asm(_X_SUMS_FIRST, [pairs_2])
