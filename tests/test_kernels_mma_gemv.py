@@ -100,8 +100,8 @@ def test_values_scaled_before_their_products_round_as_dequantize_does():
     w = wna16.dequantize(packed, scale, zero, 4, 4096, 128, torch.bfloat16)  # [N, K], rounded to bf16
     ref = (x.double() @ w.double().T).bfloat16()
     out = wna16_mma.matmul(x, packed, scale, zero, 4096, 128, blocks)
-    # the same bf16 output but where float32 sums in another order round the other way: values the float32 sums
-    # of unrounded values (the kernel's other form) would change in a good part of the outputs
+    # the same bf16 output but where float32 sums in another order round the other way (an output whose exact
+    # value lies within the sums' error of a rounding boundary: few)
     assert (out == ref).float().mean().item() > 0.97
     assert not wna16_mma.takes(x, packed, scale.float(), zero, 4, 128, 4096, blocks)
     assert wna16_mma.takes(x, packed, scale.float(), zero, 4, 128, 4096, replace(blocks, scaled_values=False))
