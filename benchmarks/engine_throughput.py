@@ -1154,6 +1154,8 @@ def main() -> None:
     if args.cmd == "agreement":
         agreement_on_bundled(args.out)
     elif args.cmd == "quick":
+        if args.gemv_stages > 1 and args.gemv_kind != "gemv_mma":  # the CUDA-core GEMV has no stages of words
+            parser.error("--gemv-stages 2 takes --gemv-kind gemv_mma")
         from quantship.kernels import fused_moe, wna16
 
         if args.table_only:

@@ -62,14 +62,23 @@ def _k_step(blocks: int, first: bool) -> str:
             "mov.b32 c, 0x43004300;", "mov.b32 z, 0;"]
     for unit in range(2):
         text.append(_values(words + 2 * unit, words + 2 * unit + 1))
-        for block in range(blocks):
-            d = 8 * block + 4 * unit
-            dest = "{" + ",".join(f"${d + i}" for i in range(4)) + "}"
-            acc = "{z,z,z,z}" if first else "{" + ",".join(f"${accumulators + d + i}" for i in range(4)) + "}"
-            b = pairs + 4 * block
-            text.append(f"{_MMA} {dest}, {{p0,q0,p1,q1}}, {{${b},${b + 1}}}, {acc};")
-            text.append(f"{_MMA} {dest}, {{p2,q2,p3,q3}}, {{${b + 2},${b + 3}}}, {dest};")
+        text += _products(unit, blocks, pairs, None if first else accumulators)
     return "\n".join(text + ["}"])
+
+
+def _products(unit: int, blocks: int, pairs: int, accumulators: int | None) -> list[str]:
+    """A unit's two products per block of 8 columns, its values in p0-p3 and q0-q3: into its accumulators' outputs
+    (unit A's and B's of block 1, then of block 2), from x's pairs (operand `pairs` on, 4 a block) and the
+    accumulators as input (operand `accumulators` on, in the outputs' order; None: zeros, register z)."""
+    text = []
+    for block in range(blocks):
+        d = 8 * block + 4 * unit
+        dest = "{" + ",".join(f"${d + i}" for i in range(4)) + "}"
+        acc = "{z,z,z,z}" if accumulators is None else "{" + ",".join(f"${accumulators + d + i}" for i in range(4)) + "}"
+        b = pairs + 4 * block
+        text.append(f"{_MMA} {dest}, {{p0,q0,p1,q1}}, {{${b},${b + 1}}}, {acc};")
+        text.append(f"{_MMA} {dest}, {{p2,q2,p3,q3}}, {{${b + 2},${b + 3}}}, {dest};")
+    return text
 
 
 def _k_step_scaled(blocks: int, zero: bool) -> str:
@@ -95,13 +104,7 @@ def _k_step_scaled(blocks: int, zero: bool) -> str:
             for i in range(4):
                 text.append(f"fma.rn.bf16x2 {reg}{i}, {reg}{i}, one, {offset};")
                 text.append(f"fma.rn.bf16x2 {reg}{i}, {reg}{i}, ${scales + o}, nz;")
-        for block in range(blocks):
-            d = 8 * block + 4 * unit
-            dest = "{" + ",".join(f"${d + i}" for i in range(4)) + "}"
-            acc = "{" + ",".join(f"${accumulators + d + i}" for i in range(4)) + "}"
-            b = pairs + 4 * block
-            text.append(f"{_MMA} {dest}, {{p0,q0,p1,q1}}, {{${b},${b + 1}}}, {acc};")
-            text.append(f"{_MMA} {dest}, {{p2,q2,p3,q3}}, {{${b + 2},${b + 3}}}, {dest};")
+        text += _products(unit, blocks, pairs, accumulators)
     return "\n".join(text + ["}"])
 
 
