@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +45,13 @@ def llama_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TINY_DIR / name, d / name)
     return d
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """`quantship demo` run once, offline, as `make demo` runs it: (the finished process, its work directory).
+    The quality test reads the checkpoints and fidelity table it wrote rather than quantize them again."""
+    work = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run([sys.executable, "-m", "quantship.cli", "demo", "--workdir", str(work)],
+                          capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    return proc, work

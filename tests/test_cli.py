@@ -84,9 +84,13 @@ def test_hub_ids_are_not_fetched(capsys):
     assert "never downloads" in capsys.readouterr().err
 
 
-def test_demo_runs_offline():
-    proc = subprocess.run([sys.executable, "-m", "quantship.cli", "demo"], capture_output=True, text=True,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+def test_demo_runs_offline(demo_run):
+    proc, work = demo_run
     assert proc.returncode == 0, proc.stderr
     assert "DeepseekV3ForCausalLM" in proc.stdout and "def fibonacci(n):" in proc.stdout
     assert "tiny-w4a16-gptq" in proc.stdout and "top-1 agreement" in proc.stdout
+    rows = json.loads((work / "fidelity.json").read_text())
+    assert [r["checkpoint"] for r in rows] == ["tiny-w4a16-rtn", "tiny-w4a16-gptq", "tiny-w4a16-awq", "tiny-w8a16-rtn"]
+    for r in rows:  # the JSON holds the figures the table printed
+        assert f"{r['kl_mean']:.4f}" in proc.stdout and (work / r["checkpoint"] / "config.json").is_file()
+    assert (work / "report-w4a16-gptq" / "report.html").is_file() and "POST http" in proc.stdout

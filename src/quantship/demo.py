@@ -6,6 +6,7 @@ demo shows is what a user typing them sees; quantization runs here to tabulate t
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -15,9 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from quantship.errors import QuantshipError
+from quantship.files import write_atomic
 
 RUNS = (("W4A16", "rtn"), ("W4A16", "gptq"), ("W4A16", "awq"), ("W8A16", "rtn"))
 SERVED_NAME = "tiny-w4a16"
+FIDELITY_JSON = "fidelity.json"  # the quantize table's rows, in the work directory
 
 
 def run_demo(workdir: Path | None, run: Callable[[list[str]], int]) -> int:
@@ -37,7 +40,8 @@ def run_demo(workdir: Path | None, run: Callable[[list[str]], int]) -> int:
             return code
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="quantship-demo-"))
     console.print(_quantize_table(console, work))
-    console.print(f"checkpoints in {work}; llama.cpp's scale on Llama-3-8B: q8_0 KL 0.0014, q4_K_M 0.028, q4_0 0.072")
+    console.print(f"checkpoints in {work} (the table as JSON: {FIDELITY_JSON}); llama.cpp's scale on Llama-3-8B: "
+                  "q8_0 KL 0.0014, q4_K_M 0.028, q4_0 0.072")
     gptq = work / "tiny-w4a16-gptq"
     report = work / "report-w4a16-gptq"
     console.rule(f"[bold]quantship verify tiny {gptq} --report {report} --gate default")
@@ -60,6 +64,7 @@ def _quantize_table(console, work: Path):
     table = Table(title="W4A16 g128 and W8A16 on the bundled model, held-out text (8K tokens)")
     for column in ("checkpoint", "KL mean", "top-1 agreement", "ppl base", "ppl quant", "seconds"):
         table.add_column(column, justify="right" if column != "checkpoint" else "left")
+    rows = []
     for scheme, method in RUNS:
         out = work / f"tiny-{scheme.lower()}-{method}"
         console.rule(f"[bold]quantship quantize tiny -o {out} --scheme {scheme} --method {method}")
@@ -70,6 +75,9 @@ def _quantize_table(console, work: Path):
         r = quick_fidelity("tiny", out, max_tokens=8192)
         table.add_row(out.name, f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.1%}", f"{r['ppl_base']:.2f}",
                       f"{r['ppl_quant']:.2f}", f"{recipe['seconds']:.0f}")
+        rows.append({"checkpoint": out.name, "scheme": scheme, "method": method, **r, "seconds": recipe["seconds"]})
+    # The table's figures for scripts (and the test suite, which reads them rather than quantize again).
+    write_atomic(work / FIDELITY_JSON, json.dumps(rows, indent=2) + "\n", "demo's fidelity table")
     return table
 
 
