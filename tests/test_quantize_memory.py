@@ -76,27 +76,29 @@ def write_v3_shaped(directory, layers: int) -> int:
     return layer_bytes
 
 
-def grown_bytes(model, out, method: str) -> int:
-    """Peak RSS above the post-import baseline of quantizing `model` in a fresh process."""
+def grown_bytes(*runs: tuple) -> list[int]:
+    """Peak RSS above the post-import baseline of quantizing each (model, out, method) in a fresh process,
+    the processes side by side (each runs on one thread, and its peak is its own)."""
     # One malloc arena and one thread: glibc's per-thread arenas otherwise keep tens of MB of freed
     # memory in a pattern that varies from run to run, which is noise to this comparison. A fixed mmap
     # threshold: glibc raises it as large blocks are freed, after which tensors land in the heap,
     # whose fragmentation varied the peak by +-85 MB between identical runs (+-6 MB with it fixed).
     env = dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
-    done = subprocess.run([sys.executable, "-c", PROBE, str(model), str(out), method],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert len(json.loads((out / "quantship_recipe.json").read_text())) > 0
-    return json.loads(done.stdout.strip().splitlines()[-1])["grown_kb"] * 1024
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(model), str(out), method], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for model, out, method in runs]
+    grown = []
+    for proc, (_, out, _) in zip(procs, runs):
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-2000:]
+        assert len(json.loads((out / "quantship_recipe.json").read_text())) > 0
+        grown.append(json.loads(stdout.strip().splitlines()[-1])["grown_kb"] * 1024)
+    return grown
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_peak_host_memory_does_not_grow_with_depth(tmp_path, method):
-    grown, layer_bytes = {}, 0
-    for layers in (3, 6):
-        model = tmp_path / f"v3-{layers}"
-        layer_bytes = write_v3_shaped(model, layers)
-        grown[layers] = grown_bytes(model, tmp_path / f"out-{layers}", method)
+    layer_bytes = max(write_v3_shaped(tmp_path / f"v3-{layers}", layers) for layers in (3, 6))
+    grown = dict(zip((3, 6), grown_bytes(*((tmp_path / f"v3-{n}", tmp_path / f"out-{n}", method) for n in (3, 6)))))
     # Three more layers of ~60 MB each in float32: holding them (or their activations) would add ~180 MB.
     assert grown[6] - grown[3] < layer_bytes, (grown, layer_bytes)
 
@@ -110,7 +112,7 @@ def test_awq_searches_without_a_float32_copy_of_the_experts(tmp_path):
     write_v3_shaped(model, 3)
     c = CONFIG
     experts_float32 = c["n_routed_experts"] * 3 * c["hidden_size"] * c["moe_intermediate_size"] * 4
-    rtn, awq = (grown_bytes(model, tmp_path / f"out-{m}", m) for m in ("rtn", "awq"))
+    rtn, awq = grown_bytes(*((model, tmp_path / f"out-{m}", m) for m in ("rtn", "awq")))
     assert awq - rtn < 0.6 * experts_float32, (rtn, awq, experts_float32)
 
 
