@@ -137,9 +137,9 @@ def test_packed_experts_dequantized_in_chunks_equal_the_loop(monkeypatch, quant)
     (4, 8, 2, 512, 128, (8, 128, True), 8)])
 def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hidden, inter, quant, split):
     """Decode blocks with K split over programs (gate/up's SiLU product and down's sums finished by the last
-    split of each tile through the float32 workspace) equal the loop and the unsplit kernels, twice in a
-    row, and leave the workspace clear; every
-    expert of a batch picking the same ones included."""
+    split of each tile through the float32 workspace) equal the loop and the unsplit kernels, and each
+    call leaves the workspace clear for the next (two routings in a row: every expert of a batch picking
+    the same ones included)."""
     g = torch.Generator().manual_seed(hidden + n + split)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
     gate, up, down = layer_experts(experts, hidden, inter, quant, g)
@@ -147,11 +147,10 @@ def test_decode_blocks_split_over_k_equal_the_expert_loop(n, experts, top_k, hid
     for chosen in (indices, indices[:1].expand(n, top_k).contiguous()):
         expected = fused_moe.reference(x, gate, up, down, weights, chosen)
         whole = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=1)
-        for _ in range(2):  # the first call must leave the workspace as the second needs it
-            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split)
-            # Triton's float32 dot runs in TF32 on the GPU; a split changes only the order of the sums.
-            assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
-            torch.testing.assert_close(out, whole, rtol=1e-5 if DEVICE == "cpu" else 1e-4, atol=1e-5)
+        out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, split_k=split)
+        # Triton's float32 dot runs in TF32 on the GPU; a split changes only the order of the sums.
+        assert ((out.float() - expected).norm() / expected.norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
+        torch.testing.assert_close(out, whole, rtol=1e-5 if DEVICE == "cpu" else 1e-4, atol=1e-5)
         sums, counters = wna16.split_workspace(x.device, 0, 0)
         assert not sums.any() and not counters.any()
 
@@ -194,8 +193,8 @@ def test_the_bundled_moe_layer_gives_the_same_output_fused_and_looped(quantize):
 ])
 def test_slot_gemv_equals_the_expert_loop_and_the_blocks(n, experts, top_k, hidden, inter, quant):
     """Packed experts as one GEMV row per slot (decode steps of few slots) equal the loop and the 16-row
-    blocks, with K split (finished in the kernel) and unsplit, twice in a row (the workspace left clear),
-    a batch whose tokens all pick the same experts included."""
+    blocks, with K split (finished in the kernel) and unsplit, each call leaving the workspace clear for the
+    next (two routings in a row: a batch whose tokens all pick the same experts included)."""
     g = torch.Generator().manual_seed(hidden + 3 * n)
     x = torch.randn(n, hidden, generator=g).to(DEVICE)
     gate, up, down = layer_experts(experts, hidden, inter, quant, g)
@@ -203,11 +202,10 @@ def test_slot_gemv_equals_the_expert_loop_and_the_blocks(n, experts, top_k, hidd
     for chosen in (indices, indices[:1].expand(n, top_k).contiguous()):
         expected = fused_moe.reference(x, gate, up, down, weights, chosen)
         blocks = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=False)
-        for _ in range(2):
-            out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=True)
-            assert ((out.float() - expected).norm() / expected.norm()) < 1e-5  # float32 FMAs, GPU included
-            # the blocks' float32 tensor-core products run in TF32 on the GPU
-            assert ((out.float() - blocks.float()).norm() / blocks.float().norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
+        out = fused_moe.fused_moe(x, gate, up, down, weights, chosen, slot_gemv=True)
+        assert ((out.float() - expected).norm() / expected.norm()) < 1e-5  # float32 FMAs, GPU included
+        # the blocks' float32 tensor-core products run in TF32 on the GPU
+        assert ((out.float() - blocks.float()).norm() / blocks.float().norm()) < (1e-5 if DEVICE == "cpu" else 5e-3)
         sums, counters = wna16.split_workspace(x.device, 0, 0)
         assert not sums.any() and not counters.any()
 
