@@ -77,6 +77,16 @@ def publish_directory(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def load_yaml(text: str, all_documents: bool = False):
+    """yaml.safe_load (or safe_load_all, as a list) through libyaml's parser where PyYAML was built with it:
+    the same documents and error classes, parsed about ten times faster (deploy validate reads every
+    manifest and the dashboard's JSON in its ConfigMap)."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return list(yaml.load_all(text, Loader=loader)) if all_documents else yaml.load(text, Loader=loader)
+
+
 def read_yaml_file(path: Path, what: str):
     """A user's YAML file (gates, rules), or a one-line QuantshipError naming the file and the problem."""
     import yaml
@@ -84,7 +94,7 @@ def read_yaml_file(path: Path, what: str):
     from quantship.errors import QuantshipError
 
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return load_yaml(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise QuantshipError(f"cannot read the {what} ({getattr(exc, 'strerror', None) or exc})", path) from None
     except yaml.YAMLError as exc:

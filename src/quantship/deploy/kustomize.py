@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from quantship.files import load_yaml
+
 
 @dataclass
 class Doc:
@@ -139,7 +141,7 @@ def _patch(kfile: Path, name: str, i: int, patch: dict, objects: list[Doc]) -> l
     where = f"{name}: patches[{i}]"
     try:
         text = patch["patch"] if "patch" in patch else (kfile.parent / patch["path"]).read_text(encoding="utf-8")
-        ops = yaml.safe_load(text)
+        ops = load_yaml(text)
     except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
         return [f"{where}: unreadable patch ({exc})"]
     if not isinstance(ops, list):

@@ -9,6 +9,7 @@ from fractions import Fraction
 import yaml
 
 from quantship.deploy.kustomize import Doc
+from quantship.files import load_yaml
 
 _QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE]([+-]?[0-9]+))?"
                        r"(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?")
@@ -55,7 +56,7 @@ def adapter_metrics(context: list[Doc]) -> set[str]:
             continue
         for text in (doc.data.get("data") or {}).values():
             try:
-                config = yaml.safe_load(text)
+                config = load_yaml(text)
             except yaml.YAMLError:
                 continue
             if not isinstance(config, dict):

@@ -24,6 +24,7 @@ import yaml
 
 from quantship.deploy.kustomize import Doc, build
 from quantship.errors import QuantshipError
+from quantship.files import load_yaml
 
 K8S_VERSION = "1.30"
 SCHEMA_DIR = Path(__file__).parent / "schemas"
@@ -145,7 +146,7 @@ class _Loader:
     def _parse(self, path: Path) -> list[Doc]:
         shown = self.shown(path)
         try:
-            raw = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
+            raw = [d for d in load_yaml(path.read_text(encoding="utf-8"), all_documents=True) if d is not None]
         except (OSError, UnicodeDecodeError) as exc:
             self.report.add(f"{shown}: unreadable ({exc})")
             return []
