@@ -79,8 +79,8 @@ def publish_directory(tmp: Path, out: Path) -> None:
 
 def load_yaml(text: str, all_documents: bool = False):
     """yaml.safe_load (or safe_load_all, as a list) through libyaml's parser where PyYAML was built with it:
-    the same documents and error classes, parsed about ten times faster (deploy validate reads every
-    manifest and the dashboard's JSON in its ConfigMap)."""
+    the same documents and error classes, parsed 8-10 times faster (tiny's 17 manifests: 6 ms against 63;
+    deploy validate reads every manifest, and the dashboard's JSON in its ConfigMap once per HPA check)."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
