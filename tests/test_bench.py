@@ -66,19 +66,20 @@ def free_port():
 @pytest.mark.parametrize("step", [Step("c3", "concurrent", concurrency=3), Step("p", "poisson", rate=12.0)],
                          ids=["concurrent", "poisson"])
 def test_measured_latencies_match_the_stubs_known_delays(stub, step):
-    s = stats.summarize(run(stub, step, requests=24))
+    result = run(stub, step, requests=24)
+    s = stats.summarize(result)
     assert s["completed"] == 24 and s["failed"] == 0
     # Loopback adds ~1 ms and the stub's timer up to ~1 ms; the margins allow a loaded 2-core machine.
     # Medians get both bounds: a stall of the machine moves them only if it holds half the requests.
-    # Tails get only the lower bound no load can break (no answer comes before the stub's delay): one
-    # stall of a 2-core CI runner holds all 3 requests in flight at once, and 3 of 24 are the p90.
+    # The tails get no upper bound (one stall of a 2-core CI runner holds all 3 requests in flight at once,
+    # and 3 of 24 are the p90); instead every request gets the lower bounds no load can break: no first
+    # token comes before the stub's delay, no answer ends before its delays summed.
+    expected_e2e = TTFT_MS + (OUT - 1) * TPOT_MS
+    assert all(r.ttft * 1000 >= TTFT_MS - 1.5 and r.e2el * 1000 >= expected_e2e - 2 for r in result.records)
     assert TTFT_MS - 1.5 <= s["median_ttft_ms"] <= TTFT_MS + 5
     assert abs(s["median_tpot_ms"] - TPOT_MS) <= 1.5
     assert abs(s["median_itl_ms"] - TPOT_MS) <= 2
-    for metric, delay in (("ttft", TTFT_MS), ("tpot", TPOT_MS), ("itl", TPOT_MS)):
-        assert delay - 2 <= s[f"median_{metric}_ms"] <= s[f"p90_{metric}_ms"] <= s[f"p99_{metric}_ms"]
     assert abs(s["mean_itl_ms"] - s["mean_tpot_ms"]) <= 1  # one token per chunk: both describe the same gaps
-    expected_e2e = TTFT_MS + (OUT - 1) * TPOT_MS
     assert expected_e2e - 2 <= s["median_e2el_ms"] <= expected_e2e + 8
     assert s["total_output_tokens"] == 24 * OUT and s["output_token_mismatches"] == 0
     assert s["request_throughput"] == pytest.approx(24 / s["duration"], rel=1e-3)

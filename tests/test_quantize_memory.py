@@ -87,11 +87,17 @@ def grown_bytes(*runs: tuple) -> list[int]:
     procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(model), str(out), method], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for model, out, method in runs]
     grown = []
-    for proc, (_, out, _) in zip(procs, runs):
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr[-2000:]
-        assert len(json.loads((out / "quantship_recipe.json").read_text())) > 0
-        grown.append(json.loads(stdout.strip().splitlines()[-1])["grown_kb"] * 1024)
+    try:
+        for proc, (_, out, _) in zip(procs, runs):
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, stderr[-2000:]
+            assert len(json.loads((out / "quantship_recipe.json").read_text())) > 0
+            grown.append(json.loads(stdout.strip().splitlines()[-1])["grown_kb"] * 1024)
+    finally:  # a failed or timed-out run leaves no other process behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return grown
 
 
